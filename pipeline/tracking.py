@@ -1,0 +1,139 @@
+"""MLflow tracking: one parent run per invocation (a whole multirun sweep is one), a child per job.
+
+The parent is opened by a Hydra callback before the first job and closed after the last; its id
+reaches the jobs (also in launcher subprocesses) through DRAFTSMITH_MLFLOW_PARENT_RUN_ID.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+
+PARENT_ENV = "DRAFTSMITH_MLFLOW_PARENT_RUN_ID"
+PARENT_URI_ENV = "DRAFTSMITH_MLFLOW_PARENT_URI"
+
+
+def run_root(paths_root: str) -> Path:
+    return Path(paths_root).expanduser().resolve()
+
+
+def tracking_uri(uri: str | None, paths_root: str) -> str:
+    """The configured URI, or the embedded sqlite store in the run root."""
+    if uri:
+        return uri
+    root = run_root(paths_root)
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def experiment_id(mlflow_client, name: str) -> str:
+    found = mlflow_client.get_experiment_by_name(name)
+    return found.experiment_id if found else mlflow_client.create_experiment(name)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from flatten(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def _uri_from(config: DictConfig) -> str:
+    return tracking_uri(config.tracking.uri, config.paths.root)
+
+
+class ParentRunCallback(Callback):
+    """Opens the invocation's parent run in MLflow and closes it with the right status."""
+
+    def _open(self, config: DictConfig, kind: str) -> None:
+        if not config.tracking.enabled or os.environ.get(PARENT_ENV):
+            return
+        c = client(_uri_from(config))
+        run = c.create_run(experiment_id(c, config.experiment), run_name=f"{config.experiment}-{kind}",
+                           tags={"draftsmith.kind": kind})
+        os.environ[PARENT_ENV] = run.info.run_id
+        os.environ[PARENT_URI_ENV] = _uri_from(config)
+        self._opened = (c, run.info.run_id)
+
+    def _close(self, status: str) -> None:
+        opened = getattr(self, "_opened", None)
+        if opened is None:
+            return
+        c, run_id = opened
+        c.set_terminated(run_id, status=status)
+        os.environ.pop(PARENT_ENV, None)
+        os.environ.pop(PARENT_URI_ENV, None)
+        self._opened = None
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._open(config, "run")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._open(config, "sweep")
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._close("FINISHED")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._close("FINISHED")
+
+
+def close_parent_if_open(status: str) -> None:
+    """Called by the CLI after Hydra returns or raises: a parent left open by a failure ends FAILED."""
+    run_id = os.environ.pop(PARENT_ENV, None)
+    uri = os.environ.pop(PARENT_URI_ENV, None)
+    if run_id and uri:
+        c = client(uri)
+        if c.get_run(run_id).info.status == "RUNNING":
+            c.set_terminated(run_id, status=status)
+
+
+class JobRun:
+    """The child run of one job: params at start, stage metrics as stages finish."""
+
+    def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, Any]):
+        self.client = client(uri)
+        tags = {"draftsmith.kind": "job"}
+        if parent := os.environ.get(PARENT_ENV):
+            tags["mlflow.parentRunId"] = parent
+        run = self.client.create_run(experiment_id(self.client, experiment), run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in flatten(params)]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_stage(self, name: str, fingerprint: str, cached: bool, metrics: Mapping[str, Any]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        now = int(time.time() * 1000)
+        numeric = [Metric(f"{name}.{k}", float(v), now, 0) for k, v in flatten(metrics)
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        tags = [RunTag(f"stage.{name}.fingerprint", fingerprint), RunTag(f"stage.{name}.cached", str(cached).lower())]
+        self.client.log_batch(self.run_id, metrics=numeric, tags=tags)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def end(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def config_params(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,186 @@
+"""The engine: batched generation with or without a draft, over the runtime's models.
+
+`Engine.generate` prefills a batch of prompts, then repeats speculative (K > 0) or plain steps until
+every sequence has stopped. Finished rows stay in the batch, frozen, so that shapes (and CUDA
+graphs) stay fixed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from draftsmith.serve.graphs import GraphedForward
+from draftsmith.serve.model import Transformer
+from draftsmith.serve.rejection import Verifier, rejection_sample
+from draftsmith.serve.sampling import RowSampling, SamplingParams, probabilities, sample
+from draftsmith.serve.speculative import DecodeState, StepOutput, fed_tokens, plain_step, speculative_step
+from draftsmith.serve.stats import SpecStats
+from draftsmith.serve.stops import Detokenize, StopChecker
+from draftsmith.serve.weights import load_model, read_config
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve as asked (too long, too many, mismatched models)."""
+
+
+@dataclass
+class Completion:
+    prompt_tokens: list[int]
+    tokens: list[int]
+    finish_reason: str
+    text: str | None = None  # the text before a stop string, when one ended the sequence
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class Generation:
+    completions: list[Completion]
+    stats: SpecStats = field(default_factory=SpecStats)
+    target_steps: int = 0  # target forwards after prefill
+    seconds: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.completions)
+
+
+def eos_ids_of(model_dir: Path) -> frozenset[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+def detokenizer_of(model_dir: Path) -> Detokenize | None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Engine:
+    def __init__(self, target: Transformer, draft: Transformer | None = None, *, max_batch_size: int = 1,
+                 max_seq_len: int = 2048, cuda_graphs: bool = True, eos_token_ids: frozenset[int] = frozenset(),
+                 detokenize: Detokenize | None = None, verify: Verifier = rejection_sample):
+        if draft is not None and draft.args.vocab_size != target.args.vocab_size:
+            raise EngineError(f"draft vocab size {draft.args.vocab_size} != target {target.args.vocab_size}: "
+                              "the draft must use the target's tokenizer (distill.draft.init=from_target does this)")
+        self.target, self.draft = target, draft
+        self.device = target.output.weight.device
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.eos_token_ids, self.detokenize, self.verify = eos_token_ids, detokenize, verify
+        for model in (target, draft):
+            if model is not None:
+                model.setup_cache(max_batch_size, max_seq_len)
+        self.target_forward = GraphedForward(target, cuda_graphs)
+        self.draft_forward = GraphedForward(draft, cuda_graphs) if draft is not None else None
+
+    @classmethod
+    def load(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *, dtype: str = "bfloat16",
+             device: str = "cpu", **kwargs) -> "Engine":
+        """An engine over HF model dirs (the tokenizer and EOS ids come from the target's dir)."""
+        target_dir = Path(target_dir)
+        torch_dtype = DTYPES[dtype]
+        target = load_model(target_dir, torch_dtype, device)
+        draft = load_model(Path(draft_dir), torch_dtype, device) if draft_dir else None
+        kwargs.setdefault("max_seq_len", min(2048, read_config(target_dir).get("max_position_embeddings", 2048)))
+        return cls(target, draft, eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir), **kwargs)
+
+    def _check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int) -> None:
+        if not prompts:
+            raise EngineError("no prompts given")
+        if len(prompts) > self.max_batch_size:
+            raise EngineError(f"{len(prompts)} prompts exceed max_batch_size {self.max_batch_size}")
+        if k > 0 and self.draft is None:
+            raise EngineError("num_speculative_tokens > 0 needs a draft model")
+        vocab = self.target.args.vocab_size
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not prompt:
+                raise EngineError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+            if len(prompt) + p.max_new_tokens + k + 1 > self.max_seq_len:
+                raise EngineError(f"prompt {i}: {len(prompt)} prompt tokens + {p.max_new_tokens} new tokens "
+                                  f"+ {k + 1} speculative slots exceed max_seq_len {self.max_seq_len}")
+
+    @torch.inference_mode()
+    def _prefill(self, prompts: Sequence[Sequence[int]], rows: RowSampling, generator) -> tuple[DecodeState, Tensor]:
+        B, longest = len(prompts), max(len(p) for p in prompts)
+        tokens = torch.zeros(B, longest, dtype=torch.long, device=self.device)
+        for i, prompt in enumerate(prompts):
+            tokens[i, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        positions = torch.arange(longest, device=self.device).expand(B, longest)  # padding lands past each length
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        last = self.target(tokens, positions)[torch.arange(B, device=self.device), lengths - 1]  # [B, V]
+        if self.draft is not None:
+            self.draft(tokens, positions)
+        first = sample(probabilities(last.unsqueeze(1), rows), generator).squeeze(1)  # [B]
+        previous = tokens.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+        return DecodeState(lengths=lengths, pending=first, previous=previous), last
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 num_speculative_tokens: int = 0) -> Generation:
+        """Generate for each prompt; K = num_speculative_tokens (0: plain decoding with the target)."""
+        k = num_speculative_tokens
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        self._check(prompts, params, k)
+        started = time.perf_counter()
+        rows = RowSampling.of(params, self.device)
+        seed = params[0].seed
+        generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+        stops = [StopChecker(p, self.eos_token_ids, self.detokenize) for p in params]
+        logprobs: list[list[float] | None] = [[] if p.logprobs else None for p in params]
+
+        state, first_logits = self._prefill(prompts, rows, generator)
+        first = state.pending.tolist()
+        for i, stop in enumerate(stops):
+            if stop.append([first[i]]) and logprobs[i] is not None:
+                logprobs[i].append(first_logits[i].float().log_softmax(-1)[first[i]].item())
+        active_rows = [stop.finish_reason is None for stop in stops]
+        generation = Generation(completions=[])
+        while any(active_rows):
+            active = torch.tensor(active_rows, device=self.device)
+            if k > 0:
+                out = speculative_step(self.target_forward, self.draft_forward, state, k, rows, generator, self.verify)
+            else:
+                out = plain_step(self.target_forward, state, rows, generator)
+            generation.target_steps += 1
+            self._emit(out, active_rows, stops, logprobs, generation.stats, k)
+            state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
+            active_rows = [a and stop.finish_reason is None for a, stop in zip(active_rows, stops)]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        generation.seconds = time.perf_counter() - started
+        generation.completions = [Completion(list(p), s.tokens, s.finish_reason or "length", s.text, lp)
+                                  for p, s, lp in zip(prompts, stops, logprobs)]
+        return generation
+
+    def _emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
+              logprobs: list[list[float] | None], stats: SpecStats, k: int) -> None:
+        num_accepted, tokens = out.num_accepted.tolist(), out.tokens.tolist()  # the step's one sync
+        wanted = [i for i, lp in enumerate(logprobs) if lp is not None and active_rows[i]]
+        token_logprobs = (out.target_logits.float().log_softmax(-1).gather(-1, out.tokens.unsqueeze(-1)).squeeze(-1).tolist()
+                          if wanted else None)
+        if k > 0:
+            stats.record(k, [n for n, a in zip(num_accepted, active_rows) if a])
+        for i, stop in enumerate(stops):
+            if not active_rows[i]:
+                continue
+            kept = stop.append(tokens[i][: num_accepted[i] + 1])
+            if token_logprobs is not None and logprobs[i] is not None:
+                logprobs[i].extend(token_logprobs[i][:kept])

@@ -1,0 +1,232 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) with a static KV cache, in plain PyTorch.
+
+One forward takes `tokens [B, T]` at `positions [B, T]` (each row at its own offset) and returns
+`logits [B, T, V]`. Keys and values are written into the cache at those positions, and a query at
+position p attends to cache slots 0..p. Rolling a sequence back is therefore just moving its length:
+slots past the length are overwritten before anything can attend to them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or settings are outside what the runtime implements."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...]  # rope_type and its parameters, hashable
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(f"model_type {model_type!r} is not supported by draftsmith's runtime "
+                                        f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        heads = cfg["num_attention_heads"]
+        # transformers 5 writes rope settings as rope_parameters; older configs as rope_theta + rope_scaling
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
+        rope["rope_type"] = rope_type
+        rope.pop("type", None)
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=sliding,
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """Inverse frequencies [head_dim / 2], with linear or Llama-3 scaling applied."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope = dict(args.rope_scaling)
+    if rope["rope_type"] == "linear":
+        return inv_freq / rope["factor"]
+    if rope["rope_type"] == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache(nn.Module):
+    """Keys and values of one layer: [B, H_kv, S, D] each, written at each row's positions."""
+
+    def __init__(self, batch: int, num_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        shape = (batch, num_kv_heads, slots, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # rows, slots: [B, T]; k, v: [B, T, H_kv, D]
+        self.k[rows, :, slots] = k
+        self.v[rows, :, slots] = v
+        B = rows.shape[0]
+        return self.k[:B], self.v[:B]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.wqkv = nn.Linear(args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)  # q, k, v fused
+        self.wo = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
+        self.cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        a = self.args
+        q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        q, k, v = self.wqkv(x).split([q_out, kv_out, kv_out], dim=-1)
+        q = q.view(B, T, a.num_heads, a.head_dim)  # [B, T, H, D]
+        k = k.view(B, T, a.num_kv_heads, a.head_dim)  # [B, T, H_kv, D]
+        v = v.view(B, T, a.num_kv_heads, a.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        assert self.cache is not None, "call Transformer.setup_cache first"
+        keys, values = self.cache.update(rows, slots, k, v)  # [B, H_kv, S, D]
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                           enable_gqa=a.num_heads != a.num_kv_heads)  # [B, H, T, D]
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_out))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.intermediate = args.intermediate_size
+        self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate, up fused
+        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, rows, slots)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch_size = 0
+        self.max_seq_len = 0
+
+    def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate the static KV cache. One spare slot takes the writes of padding positions."""
+        if self.args.sliding_window is not None and max_seq_len > self.args.sliding_window:
+            raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the model's sliding window "
+                                        f"{self.args.sliding_window}, which the runtime does not implement")
+        weight = self.output.weight
+        slots = max_seq_len + 1
+        for layer in self.layers:
+            layer.attention.cache = KVCache(max_batch_size, self.args.num_kv_heads, slots, self.args.head_dim,
+                                            weight.dtype, weight.device)
+        inv_freq = rope_inv_freq(self.args).to(weight.device)
+        freqs = torch.outer(torch.arange(slots, device=weight.device, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
+        self.register_buffer("rope_cos", emb.cos().to(weight.dtype), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().to(weight.dtype), persistent=False)
+        self.register_buffer("slot_ids", torch.arange(slots, device=weight.device), persistent=False)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        # tokens, positions: [B, T] with B <= max_batch_size; positions past max_seq_len are padding
+        B, T = tokens.shape
+        slots = positions.clamp(max=self.max_seq_len)  # padding writes land in the spare slot
+        rows = torch.arange(B, device=tokens.device).unsqueeze(1).expand(B, T)
+        cos = self.rope_cos[slots].unsqueeze(2)  # [B, T, 1, D]
+        sin = self.rope_sin[slots].unsqueeze(2)
+        mask = (self.slot_ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1))  # [B, 1, T, S]
+        mask = mask & (self.slot_ids.view(1, 1, 1, -1) < self.max_seq_len)
+        x = self.tok_embeddings(tokens)  # [B, T, hidden]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, rows, slots)
+        return self.output(self.norm(x))  # [B, T, V]

@@ -1,0 +1,86 @@
+"""Sampling parameters and the target/draft token distributions they define.
+
+Greedy (temperature 0) is the one-hot distribution of the argmax, so the rejection sampler needs no
+special case: a greedy draft token is accepted exactly when it equals the target's argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names it and the allowed range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise SamplingError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling settings of a batch as tensors, so mixed requests share one step."""
+    temperature: Tensor  # [B]
+    top_p: Tensor  # [B]
+    top_k: Tensor  # [B], 0 = off
+    greedy: Tensor  # [B] bool
+    needs_sort: bool = field(default=False)  # any row with top-p or top-k
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
+        return cls(
+            temperature=torch.tensor([max(p.temperature, 1e-5) for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], device=device),
+            greedy=torch.tensor([p.greedy for p in params], device=device),
+            needs_sort=any(p.top_p < 1 or p.top_k > 0 for p in params),
+        )
+
+
+def probabilities(logits: Tensor, rows: RowSampling) -> Tensor:
+    """Token distribution per position after temperature, top-k and top-p: [B, T, V] float32."""
+    logits = logits.float() / rows.temperature.view(-1, 1, 1)
+    if rows.needs_sort:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        k = rows.top_k.view(-1, 1, 1)
+        drop = (k > 0) & (rank >= k)
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop |= mass_before >= rows.top_p.view(-1, 1, 1)  # smallest prefix reaching top_p stays
+        drop[..., 0] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+    return torch.where(rows.greedy.view(-1, 1, 1), greedy, probs)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per distribution (exponential race, exact): [..., V] -> [...]."""
+    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)  # no 0/0
+    return (probs / noise).argmax(-1)

@@ -1,0 +1,56 @@
+"""Speculative-decoding counters, counted in one place; rates are derived from them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0  # verification steps (one per sequence per step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps that accepted position i
+    drafts_per_position: list[int] = field(default_factory=list)  # [i]: steps that drafted position i
+
+    def record(self, k: int, num_accepted: list[int]) -> None:
+        """Count one step of K drafted tokens for each sequence, with its accepted count."""
+        grow = k - len(self.accepted_per_position)
+        if grow > 0:
+            self.accepted_per_position += [0] * grow
+            self.drafts_per_position += [0] * grow
+        for n in num_accepted:
+            self.num_drafts += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += n
+            for i in range(k):
+                self.drafts_per_position[i] += 1
+                self.accepted_per_position[i] += i < n
+
+    def merge(self, other: "SpecStats") -> None:
+        k = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        pad = lambda xs: xs + [0] * (k - len(xs))
+        self.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))]
+        self.drafts_per_position = [a + b for a, b in zip(pad(self.drafts_per_position), pad(other.drafts_per_position))]
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: accepted draft tokens over drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification step: accepted drafts plus the corrected/bonus token."""
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(position i accepted), over steps that drafted position i."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafts_per_position)]
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
+                "tau": self.tau, "acceptance_by_position": self.acceptance_by_position}

@@ -1,0 +1,82 @@
+"""Loading HF safetensors model dirs into the runtime's Transformer (no transformers needed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from draftsmith.serve.model import ModelArgs, Transformer
+
+
+class WeightsError(ValueError):
+    """A model dir's weights are missing, pickled, or do not match its config."""
+
+
+def read_config(path: Path) -> dict:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise WeightsError(f"{path} is not an HF model dir: it has no config.json")
+    return json.loads(config_file.read_text())
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in Path(path).glob("*.bin")] + [p.name for p in Path(path).glob("*.pt")]
+        hint = f" (found {', '.join(pickled)}: draftsmith never loads pickles; re-save with safe_serialization)" if pickled else ""
+        raise WeightsError(f"{path} has no *.safetensors weights{hint}")
+    tensors: dict[str, Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+    """Rename HF tensors to the runtime's and fuse q/k/v and gate/up projections."""
+    def take(name: str) -> Tensor:
+        try:
+            return hf[name]
+        except KeyError:
+            raise WeightsError(f"tensor {name!r} is missing from the checkpoint") from None
+
+    state = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    state["output.weight"] = hf.get("lm_head.weight", state["tok_embeddings.weight"]) if args.tie_word_embeddings else take("lm_head.weight")
+    for i in range(args.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        state[q + "attention_norm.weight"] = take(p + "input_layernorm.weight")
+        state[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        state[q + "attention.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if args.qkv_bias:
+            state[q + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        state[q + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        if args.o_bias:
+            state[q + "attention.wo.bias"] = take(p + "self_attn.o_proj.bias")
+        state[q + "feed_forward.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        state[q + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+        if args.mlp_bias:
+            state[q + "feed_forward.w13.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+            state[q + "feed_forward.w2.bias"] = take(p + "mlp.down_proj.bias")
+    return state
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Transformer:
+    """Build the runtime model of an HF dir, weights in `dtype` on `device`, in eval mode."""
+    args = ModelArgs.from_hf_config(read_config(Path(path)))
+    state = to_runtime_state(read_safetensors(Path(path)), args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    if args.tie_word_embeddings:
+        state.pop("output.weight")
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+        missing = [m for m in missing if m != "output.weight"]
+    if missing or unexpected:
+        raise WeightsError(f"{path}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return model.eval()
