@@ -9,6 +9,11 @@ app = typer.Typer(help="draftsmith: distil, quantize, evaluate and serve specula
                   no_args_is_help=True, pretty_exceptions_enable=False)
 
 
+@app.callback()
+def cli() -> None:
+    """draftsmith: distil, quantize, evaluate and serve speculative-decoding drafts."""
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(ctx: typer.Context) -> None:
     """Run the pipeline as a Hydra app: draftsmith run [-m] [key=value ...].

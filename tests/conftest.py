@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random models of each supported family, saved as real HF dirs."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+
+FAMILIES = ("llama", "qwen2", "mistral", "smollm2")
+
+
+def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=None)
+    if family == "llama":  # Llama 3.1-style rope scaling, untied head
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "qwen2":  # q/k/v bias, tied head
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    if family == "mistral":
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=4096)
+    if family == "smollm2":  # SmolLM2's shape in miniature: tied, 3:1 GQA, head_dim 16
+        return LlamaConfig(**{**common, "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96},
+                           tie_word_embeddings=True, rope_theta=100000.0)
+    raise ValueError(family)
+
+
+def save_tiny_model(path: Path, family: str, seed: int, **kwargs) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs))
+    with torch.no_grad():  # larger-than-default weights give peaked, varied distributions
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    return path
+
+
+def save_truncated_draft(target_dir: Path, path: Path, keep_layers: int) -> Path:
+    """A draft made the way from_target drafts are: the target's embeddings, norm, head and first layers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    model.model.layers = model.model.layers[:keep_layers]
+    model.config.num_hidden_layers = keep_layers
+    if hasattr(model.config, "layer_types") and model.config.layer_types:
+        model.config.layer_types = model.config.layer_types[:keep_layers]
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> (target dir, draft dir) for every supported family."""
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        target = save_tiny_model(root / f"{family}-target", family, seed=i)
+        out[family] = (target, save_truncated_draft(target, root / f"{family}-draft", keep_layers=1))
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_target_dir():
+    """The real demo target, converted once into the user cache (about a minute the first time)."""
+    from draftsmith.pipeline.target import convert_gguf, demo_gguf_path
+
+    return convert_gguf(demo_gguf_path(), Path("~/.cache/draftsmith"))

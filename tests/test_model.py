@@ -1,0 +1,52 @@
+"""The runtime's model code against transformers on the same weights."""
+import pytest
+import torch
+
+from draftsmith.serve.model import UnsupportedModelError, ModelArgs
+from draftsmith.serve.weights import WeightsError, load_model
+from tests.conftest import FAMILIES
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
+def test_logits_match_transformers(tiny_models, family, dtype, tol):
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = tiny_models[family]
+    reference = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    ours = load_model(target_dir, dtype)
+    ours.setup_cache(max_batch_size=2, max_seq_len=128)
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(tokens).logits.float()
+        prefill = ours(tokens, torch.arange(40).expand(2, 40)).float()
+        # the same sequence fed one token at a time through the KV cache gives the same logits
+        ours.setup_cache(max_batch_size=2, max_seq_len=128)
+        stepwise = torch.cat([ours(tokens[:, i:i + 1], torch.full((2, 1), i)) for i in range(40)], dim=1).float()
+    assert (prefill - expected).abs().max().item() < tol
+    assert (stepwise - expected).abs().max().item() < tol
+
+
+def test_rows_at_different_offsets_match_separate_runs(tiny_models):
+    target_dir, _ = tiny_models["qwen2"]
+    model = load_model(target_dir, torch.float64)
+    model.setup_cache(max_batch_size=2, max_seq_len=64)
+    a, b = torch.randint(0, 97, (1, 12)), torch.randint(0, 97, (1, 5))
+    with torch.no_grad():
+        alone_b = model(b, torch.arange(5)[None])[0, -1].clone()
+        model.setup_cache(max_batch_size=2, max_seq_len=64)
+        padded = torch.cat([a, torch.cat([b, torch.zeros(1, 7, dtype=torch.long)], 1)])
+        together = model(padded, torch.arange(12).expand(2, 12))
+    assert torch.allclose(together[1, 4], alone_b, atol=1e-10)
+
+
+def test_unsupported_model_type_is_refused():
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        ModelArgs.from_hf_config({"model_type": "gpt2"})
+
+
+def test_pickled_weights_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(WeightsError, match="never loads pickles"):
+        load_model(tmp_path)

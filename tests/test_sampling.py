@@ -1,0 +1,140 @@
+"""Speculative sampling follows the target's distribution: a chi-square test on 20,000 samples of the
+first generated tokens, against the exact distribution computed from transformers' logits, and a
+deliberately wrong verifier that the same test must catch."""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from draftsmith.serve.engine import Engine
+from draftsmith.serve.sampling import RowSampling, SamplingParams, SamplingError, probabilities, sample
+from draftsmith.serve.weights import load_model
+from tests.conftest import save_tiny_model
+
+VOCAB = 12
+SAMPLES = 20_000
+PROMPT = [3, 7, 1]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small-vocab")
+    target = save_tiny_model(root / "target", "llama", seed=11, vocab_size=VOCAB)
+    draft = save_tiny_model(root / "draft", "llama", seed=12, vocab_size=VOCAB, num_layers=1)
+    return target, draft
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """Temperature then nucleus filtering, written directly from the definitions."""
+    z = logits / temperature
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if top_p < 1:
+        out = np.zeros_like(p)
+        for row in range(p.shape[0]):
+            order = np.argsort(-p[row], kind="stable")
+            mass_before = np.cumsum(p[row, order]) - p[row, order]
+            keep = order[mass_before < top_p]
+            out[row, keep] = p[row, keep] / p[row, keep].sum()
+        p = out
+    return p
+
+
+def exact_joint(target_dir, temperature: float, top_p: float) -> np.ndarray:
+    """P(t1, t2, t3) for the target: [V, V, V]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    grid = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [V*V, 2]
+    sequences = torch.cat([torch.tensor(PROMPT).expand(len(grid), -1), grid], dim=1)
+    with torch.no_grad():
+        logits = model(sequences).logits.numpy()
+    n = len(PROMPT)
+    p1 = reference_probs(logits[:1, n - 1], temperature, top_p)[0]  # [V]
+    p2 = reference_probs(logits[::VOCAB, n], temperature, top_p)  # [V(t1), V]
+    p3 = reference_probs(logits[:, n + 1], temperature, top_p).reshape(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
+    observed = np.bincount(samples, minlength=probs.size).astype(float)
+    expected = probs.ravel() * len(samples)
+    assert observed[expected == 0].sum() == 0, "a token outside the target's support was sampled"
+    big = expected >= 5  # cells with small expectations pooled into one
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def speculative_samples(target_dir, draft_dir, params: SamplingParams, verify=None) -> np.ndarray:
+    engine = Engine(load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64),
+                    max_batch_size=SAMPLES, max_seq_len=12, **({"verify": verify} if verify else {}))
+    got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=2)
+    return np.array([c.tokens[:3] for c in got.completions]), got.stats
+
+
+def accept_only_equal_samples(draft_tokens, draft_probs, target_probs, generator):
+    """Wrong on purpose: keep a draft token only if it equals a sample of the target, else draw from
+    the residual as if it had been rejected by the ratio test."""
+    B, K = draft_tokens.shape
+    num_accepted = (sample(target_probs[:, :K], generator) == draft_tokens).int().cumprod(1).sum(1)
+    q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+    at = num_accepted.view(B, 1, 1).expand(B, 1, target_probs.shape[-1])
+    p_n = target_probs.gather(1, at).squeeze(1)
+    residual = (p_n - q_padded.gather(1, at).squeeze(1)).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-12), p_n)
+    tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
+    tokens.scatter_(1, num_accepted.unsqueeze(1), sample(residual, generator).unsqueeze(1))
+    return num_accepted, tokens
+
+
+SETTINGS = [(0.7, 1.0), (1.0, 1.0), (1.0, 0.9)]
+
+
+@pytest.mark.parametrize("temperature,top_p", SETTINGS)
+def test_speculative_sampling_matches_target_distribution(small_vocab_models, temperature, top_p):
+    target_dir, draft_dir = small_vocab_models
+    joint = exact_joint(target_dir, temperature, top_p)
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=1234, max_new_tokens=3)
+    tokens, stats = speculative_samples(target_dir, draft_dir, params)
+    assert 0.05 < stats.acceptance_rate < 0.95  # both acceptance and rejection are exercised
+    first_two = chi_square_p(tokens[:, 0] * VOCAB + tokens[:, 1], joint.sum(2))
+    # tokens 2 and 3 both come from one speculative step: accepted drafts, corrections and bonuses
+    second_third = chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0))
+    assert first_two > 1e-3 and second_third > 1e-3, (first_two, second_third)
+
+
+@pytest.mark.parametrize("temperature,top_p", SETTINGS[1:])
+def test_the_distribution_test_catches_a_wrong_verifier(small_vocab_models, temperature, top_p):
+    target_dir, draft_dir = small_vocab_models
+    joint = exact_joint(target_dir, temperature, top_p)
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=1234, max_new_tokens=3)
+    tokens, _ = speculative_samples(target_dir, draft_dir, params, verify=accept_only_equal_samples)
+    second_third = chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0))
+    assert second_third < 1e-6
+
+
+def test_same_seed_same_samples(small_vocab_models):
+    target_dir, draft_dir = small_vocab_models
+    engine = Engine(load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64), max_batch_size=4, max_seq_len=40)
+    params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=20)
+    runs = [[c.tokens for c in engine.generate([PROMPT] * 4, params, 3).completions] for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) > 1  # rows draw independently
+
+
+def test_top_k_keeps_the_k_most_likely():
+    logits = torch.tensor([[[0.0, 3.0, 1.0, 2.0, -1.0]]])
+    rows = RowSampling.of([SamplingParams(temperature=1.0, top_k=2)], torch.device("cpu"))
+    probs = probabilities(logits, rows)[0, 0]
+    assert (probs > 0).tolist() == [False, True, False, True, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(max_new_tokens=0)])
+def test_bad_sampling_parameters_are_refused(bad):
+    with pytest.raises(SamplingError, match=next(iter(bad))):
+        SamplingParams(**bad)

@@ -1,0 +1,127 @@
+"""Speculative decoding is lossless: greedy output is the target's, token for token."""
+import random
+
+import pytest
+import torch
+
+from draftsmith.serve.engine import Engine, EngineError
+from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.weights import load_model
+from tests.conftest import FAMILIES
+
+NUM_PROMPTS = 200
+NEW_TOKENS = 12
+
+
+def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+
+
+def engines(target_dir, draft_dir, batch):
+    # float64: the check is of the algorithm, not of float rounding between 1-token and K+1-token forwards
+    target, draft = load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64)
+    return Engine(target, draft, max_batch_size=batch, max_seq_len=64)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculative_equals_target_greedy(tiny_models, family):
+    target_dir, draft_dir = tiny_models[family]
+    prompts = random_prompts(NUM_PROMPTS, 97, seed=FAMILIES.index(family))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    one, four = engines(target_dir, draft_dir, 1), engines(target_dir, draft_dir, 4)
+    expected = [one.generate([p], params).completions[0].tokens for p in prompts]
+    accepted = 0
+    for k in range(1, 9):
+        for i in range(0, NUM_PROMPTS, 4):  # batch 4: rows of different lengths, each accepting its own count
+            got = four.generate(prompts[i:i + 4], params, num_speculative_tokens=k)
+            assert [c.tokens for c in got.completions] == expected[i:i + 4], f"K={k}, prompts {i}..{i + 3}"
+            accepted += got.stats.num_accepted_tokens
+        for i in range(0, NUM_PROMPTS, 8):  # batch 1
+            got = one.generate([prompts[i]], params, num_speculative_tokens=k)
+            assert got.completions[0].tokens == expected[i], f"K={k}, prompt {i}, batch 1"
+    assert accepted > 0  # the draft agrees often enough that acceptance paths are exercised
+
+
+def test_greedy_with_an_unrelated_draft(tiny_models):
+    # a draft that almost never agrees exercises the rejection path at position 0
+    target_dir, _ = tiny_models["llama"]
+    other_target, _ = tiny_models["smollm2"]
+    from tests.conftest import save_tiny_model
+    import tempfile, pathlib
+
+    with tempfile.TemporaryDirectory() as tmp:
+        draft_dir = save_tiny_model(pathlib.Path(tmp) / "d", "llama", seed=99, num_layers=1)
+        engine = engines(target_dir, draft_dir, 4)
+        prompts = random_prompts(8, 97, seed=7)
+        params = SamplingParams(max_new_tokens=16)
+        expected = [c.tokens for c in engine.generate(prompts[:4], params).completions]
+        got = engine.generate(prompts[:4], params, num_speculative_tokens=5)
+        assert [c.tokens for c in got.completions] == expected
+        assert got.stats.acceptance_rate < 0.5
+
+
+def test_spec_stats_count_tau_and_acceptance(tiny_models):
+    target_dir, _ = tiny_models["llama"]
+    engine = engines(target_dir, target_dir, 1)  # the target as its own draft accepts everything
+    got = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1 + 3 * 5), num_speculative_tokens=4)
+    assert got.stats.acceptance_rate == 1.0
+    assert got.stats.tau == 5.0
+    assert got.target_steps == 3
+    assert got.stats.acceptance_by_position == [1.0] * 4
+
+
+def test_stops(tiny_models):
+    target_dir, draft_dir = tiny_models["qwen2"]
+    engine = engines(target_dir, draft_dir, 1)
+    prompt = [5, 6, 7]
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=20)).completions[0].tokens
+    stop_at = free[6]
+    cut = free.index(stop_at)
+    for k in (0, 3):
+        ended = engine.generate([prompt], SamplingParams(max_new_tokens=20, stop_token_ids=(stop_at,)), k).completions[0]
+        assert ended.tokens == free[:cut] and ended.finish_reason == "stop"
+        engine.eos_token_ids = frozenset({stop_at})
+        assert engine.generate([prompt], SamplingParams(max_new_tokens=20), k).completions[0].tokens == free[:cut]
+        ignoring = engine.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True), k).completions[0]
+        assert ignoring.tokens == free and ignoring.finish_reason == "length"
+        engine.eos_token_ids = frozenset()
+    # stop strings: detokenize as space-separated ids; stop at the text of the 4th token
+    engine.detokenize = lambda ids: " ".join(f"<{i}>" for i in ids)
+    ended = engine.generate([prompt], SamplingParams(max_new_tokens=20, stop=(f"<{free[3]}>",)), 3).completions[0]
+    first = free.index(free[3])
+    assert ended.tokens == free[: first + 1] and ended.finish_reason == "stop"
+    assert ended.text == " ".join(f"<{i}>" for i in free[:first]) + " "
+
+
+def test_logprobs_are_the_targets(tiny_models):
+    target_dir, draft_dir = tiny_models["mistral"]
+    engine = engines(target_dir, draft_dir, 1)
+    got = engine.generate([[3, 4]], SamplingParams(max_new_tokens=6, logprobs=True), num_speculative_tokens=3).completions[0]
+    model = load_model(target_dir, torch.float64)
+    model.setup_cache(1, 64)
+    sequence = [3, 4] + got.tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence]), torch.arange(len(sequence))[None])[0].log_softmax(-1)
+    expected = [logits[1 + i, t].item() for i, t in enumerate(got.tokens)]
+    assert got.logprobs == pytest.approx(expected, abs=1e-5)
+
+
+def test_requests_that_do_not_fit_are_refused(tiny_models):
+    target_dir, draft_dir = tiny_models["llama"]
+    engine = engines(target_dir, draft_dir, 1)
+    with pytest.raises(EngineError, match="exceed max_seq_len"):
+        engine.generate([[1] * 40], SamplingParams(max_new_tokens=30), num_speculative_tokens=2)
+    with pytest.raises(EngineError, match="max_batch_size"):
+        engine.generate([[1], [2]], SamplingParams())
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.generate([[1000]], SamplingParams())
+
+
+def test_draft_with_another_vocab_is_refused(tiny_models, tmp_path):
+    from tests.conftest import save_tiny_model
+
+    target_dir, _ = tiny_models["llama"]
+    draft_dir = save_tiny_model(tmp_path / "d", "llama", seed=1, vocab_size=99)
+    with pytest.raises(EngineError, match="draft vocab size 99 != target 97"):
+        Engine(load_model(target_dir), load_model(draft_dir))
