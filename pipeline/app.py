@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 import hydra
-from draftsmith.pipeline.config import register_schema, validate
+from draftsmith.pipeline.config import ConfigError, register_schema, validate
 from draftsmith.pipeline.graph import not_built, run_pipeline
 from draftsmith.pipeline.stage import StageOutput
 from draftsmith.pipeline.tracking import JobRun, config_params, run_root, tracking_uri
@@ -25,14 +25,14 @@ def _job_name(cfg: DictConfig) -> str:
         return f"{cfg.experiment}[defaults]"
 
 
-def _summary(outputs: list[StageOutput]) -> Table:
-    table = Table(title="draftsmith run")
+def _summary(outputs: list[StageOutput], root) -> Table:
+    table = Table(title=f"draftsmith run: {root}")
     for column in ("stage", "status", "seconds", "output", "metrics"):
         table.add_column(column)
     for out in outputs:
         metrics = ", ".join(f"{k}={v}" for k, v in out.metrics.items())
         table.add_row(out.name, "cached" if out.cached else "ran", f"{out.record.get('seconds', 0):.1f}",
-                      str(out.path), metrics)
+                      f"{out.name}/{out.path.name}", metrics)
     for name in not_built():
         table.add_row(name, "[dim]not built yet[/dim]", "", "", "")
     return table
@@ -40,7 +40,11 @@ def _summary(outputs: list[StageOutput]) -> Table:
 
 def run_job(cfg: DictConfig) -> list[StageOutput]:
     """Validate, open the job's MLflow child run, run the stages, print the summary."""
-    typed = validate(cfg)
+    try:
+        typed = validate(cfg)
+    except ConfigError as e:
+        console.print(f"[red]configuration error:[/red] {e}")
+        raise SystemExit(2) from None
     root = run_root(typed.paths.root)
     root.mkdir(parents=True, exist_ok=True)
     job = None
@@ -55,7 +59,7 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
         raise
     if job:
         job.end("FINISHED")
-    console.print(_summary(outputs))
+    console.print(_summary(outputs, root))
     return outputs
 
 

@@ -1,0 +1,55 @@
+"""Configuration: composed from conf/, typed, validated once with messages naming key and allowed values."""
+import pytest
+from hydra import compose, initialize_config_module
+
+from draftsmith.pipeline.config import ConfigError, DistillLoss, register_schema, validate
+
+register_schema()
+
+
+def composed(*overrides: str):
+    with initialize_config_module(config_module="draftsmith.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_defaults_validate_to_typed_config():
+    cfg = validate(composed())
+    assert cfg.distill.loss is DistillLoss.tvd
+    assert cfg.target.name_or_path == "demo"
+    assert cfg.evaluate.min_alpha == 0.55 and cfg.evaluate.max_tau_loss == 0.03
+    assert cfg.distill.max_steps == 200  # preset=demo is the default
+
+
+def test_gpu_preset_changes_budgets():
+    cfg = validate(composed("preset=gpu"))
+    assert cfg.device.value == "cuda" and cfg.distill.max_steps == 3000
+
+
+@pytest.mark.parametrize("override,message", [
+    ("distill.loss=kl", r"Invalid value 'kl', expected one of \[forward_kl, reverse_kl, jsd, tvd, hard_label\](.|\n)*full_key: distill.loss"),
+    ("device=tpu", r"Invalid value 'tpu', expected one of \[auto, cpu, cuda\](.|\n)*full_key: device"),
+    ("draft.init=copy", r"expected one of \[from_target, scratch, pretrained\](.|\n)*full_key: draft.init"),
+])
+def test_enum_values_are_refused_at_composition(override, message):
+    with pytest.raises(Exception) as refused:
+        composed(override)
+    import re
+
+    assert re.search(message, f"{refused.value}\n{refused.value.__cause__}")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("quantize.bits=3", r"quantize.bits=3 is not allowed: 4 or 8"),
+    ("quantize.group_size=100", r"quantize.group_size=100 is not allowed: null \(auto\), 32, 64 or 128"),
+    ("data.eval_fraction=1.5", r"data.eval_fraction=1.5 is not allowed: a fraction in \(0, 1\)"),
+    ("distill.max_steps=0", r"distill.max_steps=0 is not allowed: 1 or more"),
+    ("serve.port=70000", r"serve.port=70000 is not allowed"),
+])
+def test_bad_values_name_the_key_and_allowed_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(composed(override))
+
+
+def test_wrong_type_is_refused():
+    with pytest.raises(Exception, match="distill.max_steps"):
+        validate(composed("distill.max_steps=many"))
