@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -38,3 +39,62 @@ def run(ctx: typer.Context) -> None:
 
 def main() -> None:
     app()
+
+
+bench = typer.Typer(help="Speed benchmarks that print ratios side by side.", no_args_is_help=True)
+app.add_typer(bench, name="bench")
+
+
+@bench.command("decode")
+def bench_decode(
+    target: str = typer.Option("demo", help="target: 'demo', an HF model dir or a .gguf file"),
+    draft: Path = typer.Option(None, help="draft HF dir; default: the target's embeddings, head and --draft-layers of its layers"),
+    draft_layers: int = typer.Option(4, help="layers of the default from-target draft"),
+    new_tokens: int = typer.Option(256, help="tokens generated per run (EOS ignored)"),
+    k: list[int] = typer.Option([2, 4, 6], "--k", help="num_speculative_tokens to measure (repeatable)"),
+    device: str = typer.Option("auto", help="auto, cpu or cuda"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
+    repeats: int = typer.Option(3, help="timed runs per row after a warm-up; the fastest counts"),
+    transformers_baseline: bool = typer.Option(True, help="include transformers generate"),
+    assisted: bool = typer.Option(False, help="include transformers assisted generation with the same draft"),
+    out: Path = typer.Option(None, help="write the rows as JSON here"),
+    cache_dir: str = typer.Option("~/.cache/draftsmith", help="where converted targets are kept"),
+) -> None:
+    """Decode speed at batch 1, greedy: transformers generate, plain decode eager and with CUDA graphs, speculative."""
+    import tempfile
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from draftsmith.distill.draft import build_from_target, every_nth_layer
+    from draftsmith.evaluate.bench_decode import run_bench, write_results
+    from draftsmith.pipeline.config import TargetConfig
+    from draftsmith.pipeline.target import resolve_target_dir
+    from draftsmith.serve.weights import read_config
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    target_dir = resolve_target_dir(TargetConfig(name_or_path=target, cache_dir=cache_dir, gguf_file=None))
+    with tempfile.TemporaryDirectory() as tmp:
+        if draft is None:
+            layers = every_nth_layer(read_config(target_dir)["num_hidden_layers"], draft_layers)
+            draft = build_from_target(target_dir, Path(tmp) / "draft", layers)
+        rows = run_bench(target_dir, draft, new_tokens=new_tokens, ks=tuple(k), device=device, dtype=dtype,
+                         repeats=repeats, with_transformers=transformers_baseline, with_assisted=assisted)
+    hf = next((r for r in rows if r.method == "transformers generate"), None)
+    plain = [r for r in rows if r.method.startswith("plain")][-1]  # with CUDA graphs where there are any
+    table = Table(title=f"bench decode: {target} on {device}, batch 1, {new_tokens} new tokens, greedy")
+    for column in ("method", "tok/s", "ms/step", "tau", "alpha", "x HF", "x plain", "=plain"):
+        table.add_column(column, justify="right" if column != "method" else "left")
+    for r in rows:
+        table.add_row(r.method, f"{r.tokens_per_s:.1f}", f"{r.ms_per_target_step:.3f}",
+                      f"{r.tau:.2f}" if r.tau else "", f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "",
+                      f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "", f"{r.tokens_per_s / plain.tokens_per_s:.2f}x",
+                      {True: "yes", False: "no", None: ""}[r.matches_plain])
+    Console().print(table)
+    if out:
+        write_results(rows, out, " ".join(sys.argv), device, {"target": target, "draft": str(draft)})
+
+
+if __name__ == "__main__":
+    main()

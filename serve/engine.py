@@ -152,9 +152,9 @@ class Engine:
             if stop.append([first[i]]) and logprobs[i] is not None:
                 logprobs[i].append(first_logits[i].float().log_softmax(-1)[first[i]].item())
         active_rows = [stop.finish_reason is None for stop in stops]
+        active = torch.tensor(active_rows, device=self.device)
         generation = Generation(completions=[])
         while any(active_rows):
-            active = torch.tensor(active_rows, device=self.device)
             if k > 0:
                 out = speculative_step(self.target_forward, self.draft_forward, state, k, rows, generator, self.verify)
             else:
@@ -162,7 +162,9 @@ class Engine:
             generation.target_steps += 1
             self._emit(out, active_rows, stops, logprobs, generation.stats, k)
             state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
-            active_rows = [a and stop.finish_reason is None for a, stop in zip(active_rows, stops)]
+            still = [a and stop.finish_reason is None for a, stop in zip(active_rows, stops)]
+            if still != active_rows:
+                active_rows, active = still, torch.tensor(still, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         generation.seconds = time.perf_counter() - started

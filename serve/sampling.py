@@ -50,6 +50,7 @@ class RowSampling:
     top_k: Tensor  # [B], 0 = off
     greedy: Tensor  # [B] bool
     needs_sort: bool = field(default=False)  # any row with top-p or top-k
+    all_greedy: bool = field(default=False)  # argmax suffices: no distributions to build
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
@@ -59,6 +60,7 @@ class RowSampling:
             top_k=torch.tensor([p.top_k for p in params], device=device),
             greedy=torch.tensor([p.greedy for p in params], device=device),
             needs_sort=any(p.top_p < 1 or p.top_k > 0 for p in params),
+            all_greedy=all(p.greedy for p in params),
         )
 
 

@@ -43,18 +43,22 @@ class StepOutput:
 
 
 def propose(draft: Forward, state: DecodeState, k: int, rows: RowSampling,
-            generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """The draft's K tokens [B, K] and the distributions they were drawn from [B, K, V]."""
+            generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    """The draft's K tokens [B, K] and the distributions they were drawn from [B, K, V]
+    (None for an all-greedy batch, whose verification needs only the tokens)."""
     positions = state.lengths.unsqueeze(1)  # [B, 1]
     logits = draft(torch.stack([state.previous, state.pending], dim=1), torch.cat([positions - 1, positions], dim=1))
     tokens, probs = [], []
     for i in range(k):
-        q = probabilities(logits[:, -1:], rows)  # [B, 1, V]
-        tokens.append(sample(q, generator))  # [B, 1]
-        probs.append(q)
+        if rows.all_greedy:
+            tokens.append(logits[:, -1:].argmax(-1))  # [B, 1]
+        else:
+            q = probabilities(logits[:, -1:], rows)  # [B, 1, V]
+            tokens.append(sample(q, generator))
+            probs.append(q)
         if i + 1 < k:
             logits = draft(tokens[-1], positions + i + 1)
-    return torch.cat(tokens, dim=1), torch.cat(probs, dim=1)
+    return torch.cat(tokens, dim=1), (torch.cat(probs, dim=1) if probs else None)
 
 
 def speculative_step(target: Forward, draft: Forward, state: DecodeState, k: int, rows: RowSampling,
@@ -63,13 +67,20 @@ def speculative_step(target: Forward, draft: Forward, state: DecodeState, k: int
     fed = torch.cat([state.pending.unsqueeze(1), draft_tokens], dim=1)  # [B, K+1]
     positions = state.lengths.unsqueeze(1) + torch.arange(k + 1, device=fed.device)  # [B, K+1]
     target_logits = target(fed, positions)  # [B, K+1, V]: all K+1 positions in one forward
+    if draft_probs is None:  # greedy: keep drafts while they equal the target's argmax, which also
+        target_tokens = target_logits.argmax(-1)  # gives the correction or bonus token  [B, K+1]
+        num_accepted = (draft_tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum(dim=1)
+        return StepOutput(num_accepted, target_tokens, target_logits)
     num_accepted, tokens = verify(draft_tokens, draft_probs, probabilities(target_logits, rows), generator)
     return StepOutput(num_accepted, tokens, target_logits)
 
 
 def plain_step(target: Forward, state: DecodeState, rows: RowSampling, generator: torch.Generator | None) -> StepOutput:
     target_logits = target(state.pending.unsqueeze(1), state.lengths.unsqueeze(1))  # [B, 1, V]
-    tokens = sample(probabilities(target_logits, rows), generator)  # [B, 1]
+    if rows.all_greedy:  # the one-hot distribution's sample is the argmax: skip building it
+        tokens = target_logits.argmax(-1)  # [B, 1]
+    else:
+        tokens = sample(probabilities(target_logits, rows), generator)
     return StepOutput(torch.zeros_like(state.lengths), tokens, target_logits)
 
 

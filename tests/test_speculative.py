@@ -125,3 +125,15 @@ def test_draft_with_another_vocab_is_refused(tiny_models, tmp_path):
     draft_dir = save_tiny_model(tmp_path / "d", "llama", seed=1, vocab_size=99)
     with pytest.raises(EngineError, match="draft vocab size 99 != target 97"):
         Engine(load_model(target_dir), load_model(draft_dir))
+
+
+def test_greedy_rows_stay_exact_in_a_batch_with_sampled_rows(tiny_models):
+    # mixed batches verify greedy rows through the rejection sampler with one-hot distributions
+    target_dir, draft_dir = tiny_models["smollm2"]
+    engine = engines(target_dir, draft_dir, 4)
+    prompts = random_prompts(4, 97, seed=3)
+    greedy, sampled = SamplingParams(max_new_tokens=16, seed=0), SamplingParams(temperature=1.0, max_new_tokens=16, seed=0)
+    expected = [c.tokens for c in engine.generate(prompts, greedy).completions]
+    for k in (1, 4):
+        got = engine.generate(prompts, [greedy, sampled, greedy, sampled], num_speculative_tokens=k)
+        assert got.completions[0].tokens == expected[0] and got.completions[2].tokens == expected[2]

@@ -1,0 +1,69 @@
+"""Draft construction from the target: its embeddings, final norm, LM head and a subset of its layers.
+
+The result is an ordinary HF model dir (config.json, model.safetensors, the target's tokenizer files)
+with the target's vocabulary, so any tool, vLLM included, can open it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from draftsmith.serve.weights import read_config, read_safetensors
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class DraftError(ValueError):
+    """The draft cannot be built as configured; the message says why and what is allowed."""
+
+
+def every_nth_layer(num_target_layers: int, num_layers: int) -> list[int]:
+    """num_layers indices spread evenly over the target, first and last included."""
+    if not 1 <= num_layers <= num_target_layers:
+        raise DraftError(f"draft.num_layers={num_layers} must be between 1 and the target's {num_target_layers} layers")
+    if num_layers == 1:
+        return [0]
+    step = (num_target_layers - 1) / (num_layers - 1)
+    return sorted({round(i * step) for i in range(num_layers)})
+
+
+def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+            copied.append(name)
+    return copied
+
+
+def build_from_target(target_dir: Path, out_dir: Path, layers: list[int]) -> Path:
+    """Write a draft with the target's layers `layers` (in order) into out_dir."""
+    config = read_config(target_dir)
+    n = config["num_hidden_layers"]
+    if not layers or any(not 0 <= i < n for i in layers):
+        raise DraftError(f"draft.layers={layers} must name layers of the target, 0 to {n - 1}")
+    renumber = {old: new for new, old in enumerate(layers)}
+    tensors = {}
+    for name, tensor in read_safetensors(target_dir).items():
+        match = _LAYER.match(name)
+        if match is None:
+            tensors[name] = tensor.contiguous()
+        elif int(match.group(1)) in renumber:
+            tensors[f"model.layers.{renumber[int(match.group(1))]}.{match.group(2)}"] = tensor.contiguous()
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    config["num_hidden_layers"] = len(layers)
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = [config["layer_types"][i] for i in layers]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer_files(target_dir, out_dir)
+    (out_dir / "draft.json").write_text(json.dumps({"init": "from_target", "target": str(target_dir), "layers": layers}, indent=2))
+    return out_dir
