@@ -105,11 +105,12 @@ def run_bench(target_dir: Path, draft_dir: Path, *, new_tokens: int = 256, ks: t
     draft = load_model(draft_dir, DTYPES[dtype], device)
     eos = eos_ids_of(target_dir)
     graphs = device.startswith("cuda")
-    if graphs:  # the eager row shows what the graphs save
-        eager = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=False, eos_token_ids=eos)
-        rows.append(bench_engine(eager, "plain, eager", prompt, new_tokens, 0, repeats=1)[0])
+    if graphs:  # what CUDA graphs alone save, then what compiling the blocks adds
+        for method, graph in (("plain, eager", False), ("plain, CUDA graphs", True)):
+            engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graph, compile_blocks=False, eos_token_ids=eos)
+            rows.append(bench_engine(engine, method, prompt, new_tokens, 0, repeats=1)[0])
     engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
-    mode = "CUDA graphs" if graphs else "eager"
+    mode = "graphs+compile" if graphs else "eager"
     row, plain_tokens = bench_engine(engine, f"plain, {mode}", prompt, new_tokens, 0, repeats)
     rows.append(row)
     for k in ks:

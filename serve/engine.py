@@ -74,7 +74,7 @@ def detokenizer_of(model_dir: Path) -> Detokenize | None:
 
 class Engine:
     def __init__(self, target: Transformer, draft: Transformer | None = None, *, max_batch_size: int = 1,
-                 max_seq_len: int = 2048, cuda_graphs: bool = True, eos_token_ids: frozenset[int] = frozenset(),
+                 max_seq_len: int = 2048, cuda_graphs: bool = True, compile_blocks: bool = True, eos_token_ids: frozenset[int] = frozenset(),
                  detokenize: Detokenize | None = None, verify: Verifier = rejection_sample):
         if draft is not None and draft.args.vocab_size != target.args.vocab_size:
             raise EngineError(f"draft vocab size {draft.args.vocab_size} != target {target.args.vocab_size}: "
@@ -86,8 +86,8 @@ class Engine:
         for model in (target, draft):
             if model is not None:
                 model.setup_cache(max_batch_size, max_seq_len)
-        self.target_forward = GraphedForward(target, cuda_graphs)
-        self.draft_forward = GraphedForward(draft, cuda_graphs) if draft is not None else None
+        self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks)
+        self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if draft is not None else None
 
     @classmethod
     def load(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *, dtype: str = "bfloat16",
@@ -174,7 +174,8 @@ class Engine:
 
     def _emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
               logprobs: list[list[float] | None], stats: SpecStats, k: int) -> None:
-        num_accepted, tokens = out.num_accepted.tolist(), out.tokens.tolist()  # the step's one sync
+        step = torch.cat([out.num_accepted.unsqueeze(1), out.tokens], dim=1).tolist()  # the step's one sync
+        num_accepted, tokens = [row[0] for row in step], [row[1:] for row in step]
         wanted = [i for i, lp in enumerate(logprobs) if lp is not None and active_rows[i]]
         token_logprobs = (out.target_logits.float().log_softmax(-1).gather(-1, out.tokens.unsqueeze(-1)).squeeze(-1).tolist()
                           if wanted else None)

@@ -12,10 +12,12 @@ from draftsmith.serve.model import Transformer
 
 
 class GraphedForward:
-    def __init__(self, model: Transformer, enabled: bool = True, max_tokens: int = 16):
+    def __init__(self, model: Transformer, enabled: bool = True, compile_blocks: bool = True, max_tokens: int = 16):
         self.model = model
         device = model.output.weight.device
         self.enabled = enabled and device.type == "cuda"
+        if self.enabled and compile_blocks:  # graphs remove launch gaps; compiling removes launches
+            model.compile_blocks()
         self.max_tokens = max_tokens  # longer inputs (prefill) run eagerly
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
@@ -39,11 +41,11 @@ class GraphedForward:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.model(static_tokens, static_positions)
+            for _ in range(2):  # also compiles the fused blocks for this shape
+                self.model(static_tokens, static_positions, fused=True)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            static_logits = self.model(static_tokens, static_positions)
+            static_logits = self.model(static_tokens, static_positions, fused=True)
         self.graphs[(B, T)] = (graph, static_tokens, static_positions, static_logits)
         return self.graphs[(B, T)]

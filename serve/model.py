@@ -198,6 +198,12 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = 0
         self.max_seq_len = 0
+        self.fused_block = None  # torch.compile'd _run_block, shared by every layer (see compile_blocks)
+
+    def compile_blocks(self) -> None:
+        """Fuse each block's many small kernels with torch.compile. Every layer runs the same compiled
+        code (one compile per input shape), so compiling costs seconds, not a whole-model trace."""
+        self.fused_block = torch.compile(_run_block, fullgraph=True, dynamic=False)
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate the static KV cache. One spare slot takes the writes of padding positions."""
@@ -217,8 +223,9 @@ class Transformer(nn.Module):
         self.register_buffer("slot_ids", torch.arange(slots, device=weight.device), persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        # tokens, positions: [B, T] with B <= max_batch_size; positions past max_seq_len are padding
+    def forward(self, tokens: Tensor, positions: Tensor, fused: bool = False) -> Tensor:
+        # tokens, positions: [B, T] with B <= max_batch_size; positions past max_seq_len are padding.
+        # fused: run the compiled blocks (fixed decode shapes only: each new shape compiles again)
         B, T = tokens.shape
         slots = positions.clamp(max=self.max_seq_len)  # padding writes land in the spare slot
         rows = torch.arange(B, device=tokens.device).unsqueeze(1).expand(B, T)
@@ -227,6 +234,11 @@ class Transformer(nn.Module):
         mask = (self.slot_ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1))  # [B, 1, T, S]
         mask = mask & (self.slot_ids.view(1, 1, 1, -1) < self.max_seq_len)
         x = self.tok_embeddings(tokens)  # [B, T, hidden]
+        run = self.fused_block if fused and self.fused_block is not None else _run_block
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, rows, slots)
+            x = run(layer, x, cos, sin, mask, rows, slots)
         return self.output(self.norm(x))  # [B, T, V]
+
+
+def _run_block(layer: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
+    return layer(x, cos, sin, mask, rows, slots)
