@@ -67,3 +67,45 @@ def build_from_target(target_dir: Path, out_dir: Path, layers: list[int]) -> Pat
     copy_tokenizer_files(target_dir, out_dir)
     (out_dir / "draft.json").write_text(json.dumps({"init": "from_target", "target": str(target_dir), "layers": layers}, indent=2))
     return out_dir
+
+
+def build_scratch(target_dir: Path, out_dir: Path, num_layers: int, seed: int) -> Path:
+    """A randomly initialised draft of the target's family and width with num_layers layers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers = num_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:num_layers]
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir, safe_serialization=True)
+    copy_tokenizer_files(target_dir, out_dir)
+    (out_dir / "draft.json").write_text(json.dumps({"init": "scratch", "num_layers": num_layers, "seed": seed}, indent=2))
+    return out_dir
+
+
+def build_pretrained(source: Path, target_dir: Path, out_dir: Path) -> Path:
+    """An existing small model as the draft; refused unless its tokenizer is the target's."""
+    from draftsmith.distill.tokenizer import check_same_tokenizer
+
+    if not (source / "config.json").is_file():
+        raise DraftError(f"draft.pretrained_path={source} is not an HF model dir (no config.json)")
+    check_same_tokenizer(target_dir, source)
+    shutil.copytree(source, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.bin", "*.pt", "*.pth"))
+    (out_dir / "draft.json").write_text(json.dumps({"init": "pretrained", "source": str(source)}, indent=2))
+    return out_dir
+
+
+def build_draft(cfg, target_dir: Path, out_dir: Path, seed: int) -> Path:
+    """The initial draft of `cfg` (a DraftConfig) in out_dir, on the target's tokenizer."""
+    init = cfg.init.value
+    if init == "from_target":
+        n = read_config(target_dir)["num_hidden_layers"]
+        layers = list(cfg.layers) or every_nth_layer(n, cfg.num_layers)
+        return build_from_target(target_dir, out_dir, layers)
+    if init == "scratch":
+        return build_scratch(target_dir, out_dir, cfg.num_layers, seed)
+    if not cfg.pretrained_path:
+        raise DraftError("draft.init=pretrained needs draft.pretrained_path (an HF model dir on the target's tokenizer)")
+    return build_pretrained(Path(cfg.pretrained_path).expanduser(), target_dir, out_dir)

@@ -74,11 +74,19 @@ class DraftConfig:
 
 
 @dataclass
+class TeacherConfig:
+    max_new_tokens: int = MISSING
+    temperature: float = MISSING  # 0: greedy responses
+    top_k_logits: int = MISSING  # 0: no logit cache (training then runs the target online)
+    batch_size: int = MISSING
+
+
+@dataclass
 class DistillConfig:
+    teacher: TeacherConfig = MISSING
     loss: DistillLoss = MISSING
     temperature: float = MISSING
     jsd_beta: float = MISSING
-    top_k_logits: int = MISSING
     learning_rate: float = MISSING
     warmup_steps: int = MISSING
     max_steps: int = MISSING
@@ -86,8 +94,7 @@ class DistillConfig:
     grad_accum_steps: int = MISSING
     max_grad_norm: float = MISSING
     eval_every: int = MISSING
-    teacher_max_new_tokens: int = MISSING
-    teacher_temperature: float = MISSING
+    max_seq_len: int = MISSING
 
 
 @dataclass
@@ -180,13 +187,14 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     _check(typed.draft.lora_rank >= 0, "draft.lora_rank", "0 (full training) or a positive rank", typed.draft.lora_rank)
     _check(d.temperature > 0, "distill.temperature", "a positive number", d.temperature)
     _check(0.0 < d.jsd_beta < 1.0, "distill.jsd_beta", "a number in (0, 1)", d.jsd_beta)
-    _check(d.top_k_logits >= 0, "distill.top_k_logits", "0 (online target logits) or a positive k", d.top_k_logits)
-    for key in ("warmup_steps",):
-        _check(getattr(d, key) >= 0, f"distill.{key}", "0 or more", getattr(d, key))
-    for key in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "teacher_max_new_tokens"):
+    _check(d.teacher.top_k_logits >= 0, "distill.teacher.top_k_logits", "0 (online target logits) or a positive k", d.teacher.top_k_logits)
+    _check(d.warmup_steps >= 0, "distill.warmup_steps", "0 or more", d.warmup_steps)
+    for key in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "max_seq_len"):
         _check(getattr(d, key) >= 1, f"distill.{key}", "1 or more", getattr(d, key))
+    for key in ("max_new_tokens", "batch_size"):
+        _check(getattr(d.teacher, key) >= 1, f"distill.teacher.{key}", "1 or more", getattr(d.teacher, key))
     _check(d.learning_rate > 0, "distill.learning_rate", "a positive number", d.learning_rate)
-    _check(d.teacher_temperature >= 0, "distill.teacher_temperature", "0 (greedy) or more", d.teacher_temperature)
+    _check(d.teacher.temperature >= 0, "distill.teacher.temperature", "0 (greedy) or more", d.teacher.temperature)
     _check(q.bits in (4, 8), "quantize.bits", "4 or 8 (fewer than 4 bits wrecks acceptance)", q.bits)
     _check(q.group_size in (None, 32, 64, 128), "quantize.group_size", "null (auto), 32, 64 or 128", q.group_size)
     _check(e.max_speculative_tokens >= 1, "evaluate.max_speculative_tokens", "1 or more", e.max_speculative_tokens)

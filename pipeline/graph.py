@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from draftsmith.distill import data, stage as distill, teacher
 from draftsmith.pipeline import target
 from draftsmith.pipeline.config import DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput, run_stage
@@ -11,7 +12,7 @@ from draftsmith.pipeline.stage import Stage, StageOutput, run_stage
 # the whole data flow of DESIGN.md, in order
 PIPELINE = ("target", "data", "teacher", "distill", "quantize", "evaluate", "publish", "registry")
 
-BUILT: dict[str, Stage] = {stage.name: stage for stage in (target.STAGE,)}
+BUILT: dict[str, Stage] = {stage.name: stage for stage in (target.STAGE, data.STAGE, teacher.STAGE, distill.STAGE)}
 
 
 def not_built() -> list[str]:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fcntl
 import hashlib
 import json
 import os
 import platform
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -95,19 +95,39 @@ def read_record(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def config_section(cfg: Any, key: str) -> Any:
+    """cfg's section at a dotted key ("distill.teacher")."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: Path) -> StageOutput:
-    """Run `stage` into root/<name>/<fingerprint[:16]>, or reuse that output if it is complete."""
-    config = {key: getattr(cfg, key) for key in stage.config_keys}
+    """Run `stage` into root/<name>/<fingerprint[:16]>, or reuse that output if it is complete.
+
+    The stage works in root/<name>/.tmp-<fingerprint[:16]>: a run killed outright leaves it there, and
+    the next run with the same fingerprint gets it back, so a stage can resume from what it wrote
+    (teacher shards, training checkpoints). A stage that raises leaves nothing. A lock file keeps two
+    jobs of a sweep from building the same output at once: the second waits and reuses the first's.
+    """
+    config = {key: config_section(cfg, key) for key in stage.config_keys}
     identity = stage.identity(cfg) if stage.identity else {}
     fp = fingerprint(config, identity, {name: inputs[name].fingerprint for name in stage.inputs})
     final = root / stage.name / fp[:16]
-    record = read_record(final)
-    if record is not None and record.get("fingerprint") == fp:
-        return StageOutput(stage.name, final, fp, cached=True, record=record)
-
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{fp[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    (root / ".locks").mkdir(exist_ok=True)
+    with open(root / ".locks" / f"{stage.name}-{fp[:16]}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = read_record(final)
+        if record is not None and record.get("fingerprint") == fp:
+            return StageOutput(stage.name, final, fp, cached=True, record=record)
+        return _build(stage, cfg, inputs, final, fp, config, identity)
+
+
+def _build(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str,
+           config: dict, identity: dict) -> StageOutput:
+    tmp = final.parent / f".tmp-{fp[:16]}"
+    tmp.mkdir(exist_ok=True)
     started = time.time()
     try:
         metrics = stage.run(cfg, {name: inputs[name] for name in stage.inputs}, tmp) or {}
@@ -123,10 +143,6 @@ def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: P
             "versions": library_versions(),
         }
         (tmp / STAGE_JSON).write_text(json.dumps(record, indent=2, sort_keys=True))
-        done = read_record(final)
-        if done is not None and done.get("fingerprint") == fp:  # a parallel job finished it first
-            shutil.rmtree(tmp)
-            return StageOutput(stage.name, final, fp, cached=True, record=done)
         if final.exists():  # an incomplete leftover: replace it
             shutil.rmtree(final)
         os.rename(tmp, final)

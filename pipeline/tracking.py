@@ -125,6 +125,9 @@ class JobRun:
         now = int(time.time() * 1000)
         numeric = [Metric(f"{name}.{k}", float(v), now, 0) for k, v in flatten(metrics)
                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for point in metrics.get("history", []):  # per-step curves, e.g. held-out TVD during training
+            numeric += [Metric(f"{name}.{k}", float(v), now, int(point["step"])) for k, v in point.items()
+                        if k != "step" and isinstance(v, (int, float))]
         tags = [RunTag(f"stage.{name}.fingerprint", fingerprint), RunTag(f"stage.{name}.cached", str(cached).lower())]
         self.client.log_batch(self.run_id, metrics=numeric, tags=tags)
 

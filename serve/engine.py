@@ -27,6 +27,20 @@ from draftsmith.serve.weights import load_model, read_config
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 
+def pick_device(name: str = "auto") -> str:
+    """auto: the GPU when there is one."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise EngineError("device=cuda was asked for but torch sees no GPU (use device=auto or device=cpu)")
+    return name
+
+
+def compute_dtype(name: str, device: str) -> torch.dtype:
+    """The configured dtype on a GPU; float32 on CPU, where bf16 matmuls are slow and round coarsely."""
+    return DTYPES[name] if device.startswith("cuda") else torch.float32
+
+
 class EngineError(ValueError):
     """A request the engine cannot serve as asked (too long, too many, mismatched models)."""
 

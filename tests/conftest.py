@@ -76,3 +76,19 @@ def demo_target_dir():
     from draftsmith.pipeline.target import convert_gguf, demo_gguf_path
 
     return convert_gguf(demo_gguf_path(), Path("~/.cache/draftsmith"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_target(demo_target_dir, tmp_path_factory):
+    """A tiny random Llama on the demo target's tokenizer (vocab 49152): the pipeline's stages run on
+    it in seconds, with a real chat template and special tokens."""
+    from draftsmith.distill.draft import copy_tokenizer_files
+
+    path = save_tiny_model(tmp_path_factory.mktemp("chat") / "target", "smollm2", seed=3, vocab_size=49152)
+    copy_tokenizer_files(demo_target_dir, path)
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    config.update(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    (path / "config.json").write_text(json.dumps(config))
+    return path

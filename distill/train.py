@@ -1,0 +1,198 @@
+"""Knowledge distillation of the draft from the target, through accelerate.
+
+AdamW with linear warm-up and cosine decay, gradient accumulation and clipping; every `eval_every`
+steps the held-out loss and TVD to the target, and a checkpoint (weights, optimizer, scheduler, RNG,
+data position) from which a killed run resumes exactly. Data order is a seeded permutation per epoch,
+so a resumed run sees the same batches an uninterrupted one would. Several processes
+(`accelerate launch`) split each global batch between them (DDP).
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from draftsmith.distill import checkpoint, losses
+from draftsmith.pipeline.config import DistillConfig
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    predict: torch.Tensor  # [B, L] bool: positions whose next token is a response token
+    labels: torch.Tensor  # [N] the response tokens, in order of `predict`
+    topk_ids: torch.Tensor | None  # [N, k]
+    topk_logprobs: torch.Tensor | None  # [N, k]
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.labels.numel())
+
+
+def collate(rows: list[dict], max_seq_len: int, device: torch.device) -> Batch:
+    """Pad prompt + response to the longest; each response token is predicted from the position before it."""
+    sequences, spans = [], []
+    for row in rows:
+        prompt, response = row["prompt_ids"], row["response_ids"]
+        seq = (prompt + response)[:max_seq_len]
+        sequences.append(seq)
+        spans.append((len(prompt) - 1, len(seq) - 1))  # predicting positions [start, end)
+    longest = max(len(s) for s in sequences)
+    input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    predict = torch.zeros(len(rows), longest, dtype=torch.bool)
+    labels, topk_ids, topk_logprobs = [], [], []
+    for i, (seq, (start, end)) in enumerate(zip(sequences, spans)):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention_mask[i, : len(seq)] = 1
+        predict[i, start:end] = True
+        labels.extend(seq[start + 1:end + 1])
+        if "topk_ids" in rows[i]:
+            topk_ids.extend(rows[i]["topk_ids"][: end - start])
+            topk_logprobs.extend(rows[i]["topk_logprobs"][: end - start])
+    has_cache = bool(topk_ids)
+    return Batch(input_ids.to(device), attention_mask.to(device), predict.to(device), torch.tensor(labels, device=device),
+                 torch.tensor(topk_ids, device=device) if has_cache else None,
+                 torch.tensor(topk_logprobs, device=device) if has_cache else None)
+
+
+def position_loss(cfg: DistillConfig, student_logits: torch.Tensor, batch: Batch,
+                  target_logits: torch.Tensor | None) -> torch.Tensor:
+    """Per-position loss [N] of the configured kind, from the cache or from online target logits."""
+    if cfg.loss.value == "hard_label":
+        return losses.hard_label(student_logits, batch.labels)
+    if target_logits is not None:
+        logp, logq = losses.full(student_logits, target_logits, cfg.temperature)
+    else:
+        logp, logq = losses.bucketed(student_logits, batch.topk_ids, batch.topk_logprobs, cfg.temperature)
+    return losses.divergence(cfg.loss.value, logp, logq, cfg.jsd_beta)
+
+
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+class Distiller:
+    def __init__(self, cfg: DistillConfig, draft, target, train_rows: list[dict], eval_rows: list[dict],
+                 work_dir: Path, seed: int, log: Callable[[int, dict[str, float]], None] = lambda step, m: None):
+        from accelerate import Accelerator
+
+        self.cfg, self.train_rows, self.eval_rows, self.work_dir, self.seed, self.log = cfg, train_rows, eval_rows, work_dir, seed, log
+        self.accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+        self.device = self.accelerator.device
+        torch.manual_seed(seed)
+        random.seed(seed)
+        self.target = target.to(self.device).eval().requires_grad_(False) if target is not None else None
+        optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps))
+        self.draft, self.optimizer = self.accelerator.prepare(draft, optimizer)
+        self.scheduler = scheduler
+        self.online = cfg.loss.value != "hard_label" and "topk_ids" not in train_rows[0]
+        if self.online and self.target is None:
+            raise ValueError("no top-k logit cache: online distillation needs the target model")
+
+    def _micro_batches(self, step: int) -> list[list[dict]]:
+        """The rows of this process's micro-batches at optimizer step `step`."""
+        per_step = self.cfg.batch_size * self.cfg.grad_accum_steps
+        start = step * per_step
+        epoch, offset = divmod(start, len(self.train_rows))
+        order = epoch_order(len(self.train_rows), self.seed, epoch)
+        while len(order) - offset < per_step:  # crossing an epoch boundary
+            epoch += 1
+            order = order + epoch_order(len(self.train_rows), self.seed, epoch)
+        rows = [self.train_rows[i] for i in order[offset:offset + per_step]]
+        mine = rows[self.accelerator.process_index::self.accelerator.num_processes]
+        size = max(1, len(mine) // self.cfg.grad_accum_steps)
+        return [mine[i:i + size] for i in range(0, len(mine), size)][: self.cfg.grad_accum_steps]
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        logits = self.draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict]  # [N, V]
+        target_logits = None
+        if self.online:
+            with torch.no_grad():
+                target_logits = self.target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict]
+        return position_loss(self.cfg, logits, batch, target_logits).mean()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss and exact TVD to the target (full vocabulary, T = 1), per response token."""
+        if self.target is None:
+            return {}
+        self.draft.eval()
+        total_tvd, total_loss, count = 0.0, 0.0, 0
+        for i in range(0, len(self.eval_rows), self.cfg.batch_size):
+            batch = collate(self.eval_rows[i:i + self.cfg.batch_size], self.cfg.max_seq_len, self.device)
+            logits = self.draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict]
+            target_logits = self.target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict]
+            total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
+            online = None if batch.topk_ids is not None else target_logits
+            total_loss += position_loss(self.cfg, logits, batch, online).sum().item()
+            count += batch.num_targets
+        self.draft.train()
+        return {"eval_tvd": total_tvd / count, "eval_loss": total_loss / count}
+
+    def train(self) -> dict[str, Any]:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        cfg = self.cfg
+        progress_state = checkpoint.load(self.work_dir, self.accelerator.unwrap_model(self.draft), self.optimizer, self.scheduler)
+        step = progress_state["step"] if progress_state else 0
+        history: list[dict] = progress_state["history"] if progress_state else []
+        tokens = progress_state["tokens"] if progress_state else 0
+        if not history:
+            history.append({"step": 0, **self.evaluate()})
+            self.log(0, history[-1])
+        self.draft.train()
+        started, tokens_at_start = time.time(), tokens
+        loss_value = float("nan")
+        columns = [TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                   TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn()]
+        with Progress(*columns, disable=not self.accelerator.is_main_process) as bar:
+            task = bar.add_task("distill", total=cfg.max_steps, completed=step, loss=float("nan"))
+            while step < cfg.max_steps:
+                step_loss = 0.0
+                micro = self._micro_batches(step)
+                for rows in micro:
+                    batch = collate(rows, cfg.max_seq_len, self.device)
+                    with self.accelerator.autocast():
+                        loss = self._loss(batch) / len(micro)
+                    self.accelerator.backward(loss)
+                    step_loss += loss.item()
+                    tokens += batch.num_targets * self.accelerator.num_processes
+                self.accelerator.clip_grad_norm_(self.draft.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                step += 1
+                loss_value = step_loss
+                bar.update(task, completed=step, loss=loss_value)
+                self.log(step, {"train_loss": loss_value, "lr": self.scheduler.get_last_lr()[0]})
+                if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                    history.append({"step": step, "train_loss": loss_value, **self.evaluate()})
+                    self.log(step, history[-1])
+                    if self.accelerator.is_main_process:
+                        checkpoint.save(self.work_dir, self.accelerator.unwrap_model(self.draft), self.optimizer,
+                                        self.scheduler, {"step": step, "history": history, "tokens": tokens})
+                    self.accelerator.wait_for_everyone()
+        seconds = time.time() - started
+        return {"history": history, "train_tokens": tokens, "final_train_loss": loss_value,
+                "tokens_per_s": (tokens - tokens_at_start) / seconds if seconds > 0 else 0.0}
+
+    def save_draft(self, out_dir: Path) -> None:
+        if self.accelerator.is_main_process:
+            self.accelerator.unwrap_model(self.draft).save_pretrained(out_dir, safe_serialization=True)
