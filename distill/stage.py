@@ -29,19 +29,25 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     rows = load_teacher(inputs["teacher"]).to_list()
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] == "eval"]
+    from accelerate import PartialState
+
+    state = PartialState(cpu=cfg.device.value == "cpu")  # one process, or one per rank under a launcher
     initial = out / "initial"
-    if not (initial / "config.json").is_file():
+    if state.is_main_process and not (initial / "config.json").is_file():
         build_draft(cfg.draft, target_dir, initial, cfg.seed)
         adopt_target_tokenizer(target_dir, initial)
+    state.wait_for_everyone()
     device = pick_device(cfg.device.value)
     draft = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=compute_dtype(cfg.target.dtype.value, device))
-    distiller = Distiller(cfg.distill, draft, target, train_rows, eval_rows, out, cfg.seed)
+    distiller = Distiller(cfg.distill, draft, target, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu")
     result = distiller.train()
     distiller.save_draft(out / "draft")
-    adopt_target_tokenizer(target_dir, out / "draft")
-    shutil.rmtree(out / "checkpoint", ignore_errors=True)
-    (out / "history.json").write_text(json.dumps(result["history"], indent=2))
+    if state.is_main_process:
+        adopt_target_tokenizer(target_dir, out / "draft")
+        shutil.rmtree(out / "checkpoint", ignore_errors=True)
+        (out / "history.json").write_text(json.dumps(result["history"], indent=2))
+    state.wait_for_everyone()
     first, last = result["history"][0], result["history"][-1]
     return {"tvd_initial": first.get("eval_tvd"), "tvd_final": last.get("eval_tvd"),
             "eval_loss_final": last.get("eval_loss"), "train_loss_final": result["final_train_loss"],
@@ -49,4 +55,5 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
             "history": result["history"]}
 
 
-STAGE = Stage(name="distill", config_keys=("draft", "distill", "seed"), inputs=("target", "teacher"), run=run)
+STAGE = Stage(name="distill", config_keys=("draft", "distill", "seed"), inputs=("target", "teacher"), run=run,
+              distributed=True)

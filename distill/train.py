@@ -89,11 +89,13 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 class Distiller:
     def __init__(self, cfg: DistillConfig, draft, target, train_rows: list[dict], eval_rows: list[dict],
-                 work_dir: Path, seed: int, log: Callable[[int, dict[str, float]], None] = lambda step, m: None):
+                 work_dir: Path, seed: int, cpu: bool = False,
+                 log: Callable[[int, dict[str, float]], None] = lambda step, m: None):
         from accelerate import Accelerator
 
         self.cfg, self.train_rows, self.eval_rows, self.work_dir, self.seed, self.log = cfg, train_rows, eval_rows, work_dir, seed, log
-        self.accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+        cpu = cpu or not torch.cuda.is_available()
+        self.accelerator = Accelerator(mixed_precision="no" if cpu else "bf16", cpu=cpu)
         self.device = self.accelerator.device
         torch.manual_seed(seed)
         random.seed(seed)

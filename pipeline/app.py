@@ -9,7 +9,7 @@ from rich.table import Table
 import hydra
 from draftsmith.pipeline.config import ConfigError, register_schema, validate
 from draftsmith.pipeline.graph import not_built, run_pipeline
-from draftsmith.pipeline.stage import StageOutput
+from draftsmith.pipeline.stage import StageOutput, process_rank
 from draftsmith.pipeline.tracking import JobRun, config_params, run_root, tracking_uri
 
 register_schema()
@@ -49,7 +49,7 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
     root = run_root(typed.paths.root)
     root.mkdir(parents=True, exist_ok=True)
     job = None
-    if typed.tracking.enabled:
+    if typed.tracking.enabled and process_rank()[0] == 0:  # one rank reports for a distributed job
         job = JobRun(tracking_uri(typed.tracking.uri, typed.paths.root), typed.experiment, _job_name(cfg),
                      config_params(cfg))
     try:
@@ -60,7 +60,8 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
         raise
     if job:
         job.end("FINISHED")
-    console.print(_summary(outputs, root))
+    if process_rank()[0] == 0:
+        console.print(_summary(outputs, root))
     return outputs
 
 

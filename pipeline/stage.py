@@ -55,6 +55,12 @@ class Stage:
     inputs: tuple[str, ...]  # upstream stages whose outputs this stage reads
     run: StageFn
     identity: IdentityFn | None = None  # facts outside the config that change the output
+    distributed: bool = False  # under torchrun / accelerate launch every rank takes part in run()
+
+
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) of this process when launched by torchrun or accelerate launch."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _jsonable(value: Any) -> Any:
@@ -115,6 +121,9 @@ def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: P
     fp = fingerprint(config, identity, {name: inputs[name].fingerprint for name in stage.inputs})
     final = root / stage.name / fp[:16]
     final.parent.mkdir(parents=True, exist_ok=True)
+    rank, world = process_rank()
+    if stage.distributed and world > 1 and rank != 0:
+        return _run_beside_rank_zero(stage, cfg, inputs, final, fp)
     (root / ".locks").mkdir(exist_ok=True)
     with open(root / ".locks" / f"{stage.name}-{fp[:16]}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -122,6 +131,23 @@ def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: P
         if record is not None and record.get("fingerprint") == fp:
             return StageOutput(stage.name, final, fp, cached=True, record=record)
         return _build(stage, cfg, inputs, final, fp, config, identity)
+
+
+def _run_beside_rank_zero(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str,
+                          timeout: float = 24 * 3600) -> StageOutput:
+    """A non-zero rank of a distributed stage: work in rank 0's work dir, then wait for it to publish."""
+    record = read_record(final)
+    if record is not None and record.get("fingerprint") == fp:
+        return StageOutput(stage.name, final, fp, cached=True, record=record)
+    tmp = final.parent / f".tmp-{fp[:16]}"
+    tmp.mkdir(exist_ok=True)
+    stage.run(cfg, {name: inputs[name] for name in stage.inputs}, tmp)
+    deadline = time.time() + timeout
+    while (record := read_record(final)) is None or record.get("fingerprint") != fp:
+        if time.time() > deadline:
+            raise StageError(f"stage '{stage.name}': rank 0 did not publish {final} in time")
+        time.sleep(0.5)
+    return StageOutput(stage.name, final, fp, cached=False, record=record)
 
 
 def _build(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str,

@@ -61,7 +61,7 @@ class ParentRunCallback(Callback):
     """Opens the invocation's parent run in MLflow and closes it with the right status."""
 
     def _open(self, config: DictConfig, kind: str) -> None:
-        if not config.tracking.enabled or os.environ.get(PARENT_ENV):
+        if not config.tracking.enabled or os.environ.get(PARENT_ENV) or os.environ.get("RANK", "0") != "0":
             return
         c = client(_uri_from(config))
         run = c.create_run(experiment_id(c, config.experiment), run_name=f"{config.experiment}-{kind}",

@@ -22,7 +22,7 @@ def test_defaults_validate_to_typed_config():
 
 def test_gpu_preset_changes_budgets():
     cfg = validate(composed("preset=gpu"))
-    assert cfg.device.value == "cuda" and cfg.distill.max_steps == 3000
+    assert cfg.device.value == "cuda" and cfg.distill.max_steps == 1000 and cfg.distill.teacher.top_k_logits == 0
 
 
 @pytest.mark.parametrize("override,message", [
