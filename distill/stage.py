@@ -39,6 +39,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     state.wait_for_everyone()
     device = pick_device(cfg.device.value)
     draft = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
+    if cfg.draft.init.value == "pretrained" and cfg.draft.lora_rank > 0:
+        draft = with_lora(draft, cfg.draft.lora_rank)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=compute_dtype(cfg.target.dtype.value, device))
     distiller = Distiller(cfg.distill, draft, target, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu")
     result = distiller.train()
@@ -53,6 +55,14 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
             "eval_loss_final": last.get("eval_loss"), "train_loss_final": result["final_train_loss"],
             "train_tokens": result["train_tokens"], "tokens_per_s": round(result["tokens_per_s"], 1),
             "history": result["history"]}
+
+
+def with_lora(model, rank: int):
+    """Train low-rank adapters on every projection instead of all weights (merged when saved)."""
+    from peft import LoraConfig, get_peft_model
+
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=modules))
 
 
 STAGE = Stage(name="distill", config_keys=("draft", "distill", "seed"), inputs=("target", "teacher"), run=run,

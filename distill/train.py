@@ -160,13 +160,14 @@ class Distiller:
             history.append({"step": 0, **self.evaluate()})
             self.log(0, history[-1])
         self.draft.train()
-        started, tokens_at_start = time.time(), tokens
+        train_seconds, tokens_at_start = 0.0, tokens  # optimizer steps only, not evaluation or checkpoints
         loss_value = float("nan")
         columns = [TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                    TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn()]
         with Progress(*columns, disable=not self.accelerator.is_main_process) as bar:
             task = bar.add_task("distill", total=cfg.max_steps, completed=step, loss=float("nan"))
             while step < cfg.max_steps:
+                step_started = time.time()
                 step_loss = 0.0
                 micro = self._micro_batches(step)
                 for rows in micro:
@@ -182,6 +183,7 @@ class Distiller:
                 self.optimizer.zero_grad(set_to_none=True)
                 step += 1
                 loss_value = step_loss
+                train_seconds += time.time() - step_started
                 bar.update(task, completed=step, loss=loss_value)
                 self.log(step, {"train_loss": loss_value, "lr": self.scheduler.get_last_lr()[0]})
                 if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -191,10 +193,13 @@ class Distiller:
                         checkpoint.save(self.work_dir, self.accelerator.unwrap_model(self.draft), self.optimizer,
                                         self.scheduler, {"step": step, "history": history, "tokens": tokens})
                     self.accelerator.wait_for_everyone()
-        seconds = time.time() - started
         return {"history": history, "train_tokens": tokens, "final_train_loss": loss_value,
-                "tokens_per_s": (tokens - tokens_at_start) / seconds if seconds > 0 else 0.0}
+                "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0}
 
     def save_draft(self, out_dir: Path) -> None:
+        """The trained draft as a plain HF dir (LoRA adapters, if any, merged into the weights)."""
         if self.accelerator.is_main_process:
-            self.accelerator.unwrap_model(self.draft).save_pretrained(out_dir, safe_serialization=True)
+            model = self.accelerator.unwrap_model(self.draft)
+            if hasattr(model, "merge_and_unload"):
+                model = model.merge_and_unload()
+            model.save_pretrained(out_dir, safe_serialization=True)

@@ -1,0 +1,77 @@
+"""Draft construction and shared-tokenizer enforcement."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from draftsmith.distill.draft import DraftError, build_draft, build_from_target
+from draftsmith.distill.stage import with_lora
+from draftsmith.distill.tokenizer import TokenizerMismatch, check_same_tokenizer
+from draftsmith.distill.train import Distiller
+from draftsmith.pipeline.config import DistillConfig, DistillLoss, DraftConfig, DraftInit, TeacherConfig
+from draftsmith.serve.weights import load_model
+from tests.conftest import save_tiny_model
+
+
+def draft_config(init, **kw):
+    return DraftConfig(init=DraftInit(init), layers=kw.get("layers", []), num_layers=kw.get("num_layers", 1),
+                       pretrained_path=kw.get("pretrained_path"), lora_rank=kw.get("lora_rank", 0))
+
+
+def test_from_target_copies_the_chosen_layers(tiny_chat_target, tmp_path):
+    draft_dir = build_draft(draft_config("from_target", layers=[2, 0]), tiny_chat_target, tmp_path / "d", seed=0)
+    target, draft = load_model(tiny_chat_target, torch.float32), load_model(draft_dir, torch.float32)
+    assert draft.args.num_layers == 2 and draft.args.vocab_size == target.args.vocab_size
+    assert torch.equal(draft.layers[0].attention.wqkv.weight, target.layers[2].attention.wqkv.weight)
+    assert torch.equal(draft.layers[1].feed_forward.w2.weight, target.layers[0].feed_forward.w2.weight)
+    assert torch.equal(draft.tok_embeddings.weight, target.tok_embeddings.weight)
+    check_same_tokenizer(tiny_chat_target, draft_dir)
+    with pytest.raises(DraftError, match=r"must name layers of the target, 0 to 2"):
+        build_from_target(tiny_chat_target, tmp_path / "bad", [5])
+
+
+def test_scratch_has_the_targets_vocabulary(tiny_chat_target, tmp_path):
+    draft_dir = build_draft(draft_config("scratch", num_layers=2), tiny_chat_target, tmp_path / "d", seed=0)
+    assert json.loads((draft_dir / "config.json").read_text())["vocab_size"] == 49152
+    check_same_tokenizer(tiny_chat_target, draft_dir)
+
+
+def test_a_draft_with_other_special_token_ids_is_refused_naming_them(tiny_chat_target, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_chat_target, other)
+    tokenizer_config = json.loads((other / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = "<|endoftext|>"  # id 0 instead of the target's 2
+    (other / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(TokenizerMismatch, match=r"eos_token id 0 in the draft != 2 in the target"):
+        check_same_tokenizer(tiny_chat_target, other)
+    with pytest.raises(TokenizerMismatch):
+        build_draft(draft_config("pretrained", pretrained_path=str(other)), tiny_chat_target, tmp_path / "d", seed=0)
+
+
+def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.draft import copy_tokenizer_files
+
+    small = save_tiny_model(tmp_path / "small", "smollm2", seed=8, vocab_size=49152, num_layers=1)
+    copy_tokenizer_files(tiny_chat_target, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}))
+    draft_dir = build_draft(draft_config("pretrained", pretrained_path=str(small), lora_rank=4), tiny_chat_target, tmp_path / "d", seed=0)
+    draft = with_lora(AutoModelForCausalLM.from_pretrained(draft_dir), 4)
+    rows = [{"prompt_ids": [1, 5, 6, 7], "response_ids": [8, 9, 10, 2], "split": "train"}] * 4
+    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=4, temperature=0.0, top_k_logits=0, batch_size=2),
+                        loss=DistillLoss.hard_label, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
+                        max_steps=3, batch_size=2, grad_accum_steps=1, max_grad_norm=1.0, eval_every=3, max_seq_len=32)
+    distiller = Distiller(cfg, draft, None, rows, rows, tmp_path / "work", seed=0, cpu=True)
+    result = distiller.train()
+    assert result["final_train_loss"] < 12
+    distiller.save_draft(tmp_path / "trained")
+    saved = (tmp_path / "trained" / "model.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(saved), "pt") as f:
+        assert not [k for k in f.keys() if "lora" in k]  # adapters merged, a plain HF checkpoint
+    before, after = load_model(draft_dir, torch.float32), load_model(tmp_path / "trained", torch.float32)
+    assert not torch.equal(before.layers[0].attention.wqkv.weight, after.layers[0].attention.wqkv.weight)
