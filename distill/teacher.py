@@ -28,17 +28,16 @@ def top_k_logprobs(model, sequences: list[list[int]], starts: list[int], k: int)
     distributions each response token was drawn from."""
     device = model.output.weight.device
     longest = max(len(s) for s in sequences)
+    span = max(len(s) - start for s, start in zip(sequences, starts))  # response positions only
     tokens = torch.zeros(len(sequences), longest, dtype=torch.long, device=device)
     for i, s in enumerate(sequences):
         tokens[i, : len(s)] = torch.tensor(s, device=device)
+    at = (torch.tensor(starts, device=device).unsqueeze(1) - 1 + torch.arange(span, device=device)).clamp(max=longest - 1)
     with torch.inference_mode():
-        logprobs = model(tokens, torch.arange(longest, device=device).expand(len(sequences), longest)).float().log_softmax(-1)
-        values, ids = logprobs.topk(k, dim=-1)  # [B, L, k]
-    out = []
-    for i, (s, start) in enumerate(zip(sequences, starts)):
-        span = slice(start - 1, len(s) - 1)
-        out.append((ids[i, span].int().tolist(), values[i, span].tolist()))
-    return out
+        logits = model(tokens, torch.arange(longest, device=device).expand(len(sequences), longest), logits_at=at)
+        values, ids = logits.float().log_softmax(-1).topk(k, dim=-1)  # [B, span, k]
+    return [(ids[i, : len(s) - start].int().tolist(), values[i, : len(s) - start].tolist())
+            for i, (s, start) in enumerate(zip(sequences, starts))]
 
 
 def generate_shard(engine: Engine, batch: list[dict], cfg: TeacherConfig, eos: int | None, seed: int) -> list[dict]:

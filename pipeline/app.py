@@ -30,10 +30,10 @@ def _summary(outputs: list[StageOutput], root) -> Table:
     for column in ("stage", "status", "seconds", "output", "metrics"):
         table.add_column(column)
     for out in outputs:
-        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                            for k, v in out.metrics.items() if not isinstance(v, (list, dict)))
+        metrics = "\n".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={str(v)[:16]}"
+                             for k, v in out.metrics.items() if not isinstance(v, (list, dict)))
         table.add_row(out.name, "cached" if out.cached else "ran", f"{out.record.get('seconds', 0):.1f}",
-                      f"{out.name}/{out.path.name}", metrics)
+                      out.path.name[:8], metrics)
     for name in not_built():
         table.add_row(name, "[dim]not built yet[/dim]", "", "", "")
     return table

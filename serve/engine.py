@@ -139,7 +139,7 @@ class Engine:
             tokens[i, : len(prompt)] = torch.tensor(prompt, device=self.device)
         positions = torch.arange(longest, device=self.device).expand(B, longest)  # padding lands past each length
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        last = self.target(tokens, positions)[torch.arange(B, device=self.device), lengths - 1]  # [B, V]
+        last = self.target(tokens, positions, logits_at=(lengths - 1).unsqueeze(1))[:, 0]  # [B, V]
         if self.draft is not None:
             self.draft(tokens, positions)
         first = sample(probabilities(last.unsqueeze(1), rows), generator).squeeze(1)  # [B]

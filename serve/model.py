@@ -223,9 +223,10 @@ class Transformer(nn.Module):
         self.register_buffer("slot_ids", torch.arange(slots, device=weight.device), persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def forward(self, tokens: Tensor, positions: Tensor, fused: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, fused: bool = False, logits_at: Tensor | None = None) -> Tensor:
         # tokens, positions: [B, T] with B <= max_batch_size; positions past max_seq_len are padding.
-        # fused: run the compiled blocks (fixed decode shapes only: each new shape compiles again)
+        # fused: run the compiled blocks (fixed decode shapes only: each new shape compiles again).
+        # logits_at [B, T']: indices into T whose logits are wanted (prefill needs only the last one)
         B, T = tokens.shape
         slots = positions.clamp(max=self.max_seq_len)  # padding writes land in the spare slot
         rows = torch.arange(B, device=tokens.device).unsqueeze(1).expand(B, T)
@@ -237,7 +238,9 @@ class Transformer(nn.Module):
         run = self.fused_block if fused and self.fused_block is not None else _run_block
         for layer in self.layers:
             x = run(layer, x, cos, sin, mask, rows, slots)
-        return self.output(self.norm(x))  # [B, T, V]
+        if logits_at is not None:
+            x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, T', hidden]
+        return self.output(self.norm(x))  # [B, T or T', V]
 
 
 def _run_block(layer: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ def test_defaults_validate_to_typed_config():
     assert cfg.distill.loss is DistillLoss.tvd
     assert cfg.target.name_or_path == "demo"
     assert cfg.evaluate.min_alpha == 0.55 and cfg.evaluate.max_tau_loss == 0.03
-    assert cfg.distill.max_steps == 150 and cfg.distill.teacher.top_k_logits == 64  # preset=demo is the default
+    assert cfg.distill.max_steps == 120 and cfg.distill.teacher.top_k_logits == 64  # preset=demo is the default
 
 
 def test_gpu_preset_changes_budgets():
