@@ -1,6 +1,7 @@
 """data -> teacher -> distill on a tiny chat target: held-out split, logit cache, training that lowers
 the held-out TVD, a sweep sharing one teacher cache, and exact resume after SIGKILL."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -56,7 +57,7 @@ def test_distillation_lowers_held_out_tvd_and_a_sweep_shares_the_teacher(tiny_ch
     sweep = run(args_for(tiny_chat_target, root, *online, "distill.loss=forward_kl,hard_label", multirun=True), tmp_path)
     assert len([p for p in (root / "teacher").iterdir() if not p.name.startswith(".")]) == 1
     assert len([p for p in (root / "distill").iterdir() if not p.name.startswith(".")]) == 3
-    assert sweep.stdout.count("cached") >= 6  # target, data, teacher in each of the two jobs
+    assert len(re.findall(r"│ cached +│", sweep.stdout)) == 6  # target, data, teacher in each of the two jobs
 
 
 def test_sigkill_then_rerun_resumes_and_ends_where_an_uninterrupted_run_ends(tiny_chat_target, tmp_path):

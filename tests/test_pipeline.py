@@ -1,5 +1,6 @@
 """`draftsmith run` end to end on a tiny local target: stages, caching, MLflow parent and child runs."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -11,6 +12,11 @@ from draftsmith.pipeline.config import TargetConfig
 from draftsmith.pipeline.target import TargetError, resolve_target_dir
 
 DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
+
+
+# the smallest pipeline: 8 prompts, 4-token answers, 2 training steps
+SMALL = ("data.max_prompts=8", "distill.teacher.max_new_tokens=4", "distill.max_steps=2", "distill.eval_every=2",
+         "draft.num_layers=1", "distill.batch_size=2")
 
 
 def draftsmith_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -26,36 +32,39 @@ def mlflow_runs(root: Path):
     return client.search_runs([experiment.experiment_id])
 
 
-def test_multirun_is_one_parent_with_a_child_per_job(tiny_models, tmp_path):
-    target_dir, _ = tiny_models["llama"]
+def test_multirun_is_one_parent_with_a_child_per_job(tiny_chat_target, tmp_path):
+    target_dir = tiny_chat_target
     root = tmp_path / "runs"
     done = draftsmith_run("-m", "experiment=t", "target=hf", f"target.name_or_path={target_dir}",
-                          f"paths.root={root}", "seed=1,2", cwd=tmp_path)
+                          f"paths.root={root}", "distill.learning_rate=1e-3,2e-3", *SMALL, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = mlflow_runs(root)
     parents = [r for r in runs if r.data.tags.get("draftsmith.kind") == "sweep"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(parents) == 1 and len(children) == 2 and len(runs) == 3
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
-    assert sorted(c.data.params["seed"] for c in children) == ["1", "2"]
+    assert sorted(c.data.params["distill.learning_rate"] for c in children) == ["0.001", "0.002"]
     assert all(r.info.status == "FINISHED" for r in runs)
-    assert all(c.data.metrics["target.vocab_size"] == 97 for c in children)
-    # the target stage's output is shared by both jobs: one directory, the second job reused it
-    assert len(list((root / "target").iterdir())) == 1
-    assert {c.data.tags["stage.target.cached"] for c in children} == {"true", "false"}
+    assert all(c.data.metrics["target.vocab_size"] == 49152 for c in children)
+    assert all("distill.tvd_final" in c.data.metrics for c in children)
+    # target, data and teacher outputs are shared by both jobs: one directory each, reused by the second
+    for stage in ("target", "data", "teacher"):
+        assert len(list((root / stage).iterdir())) == 1
+        assert {c.data.tags[f"stage.{stage}.cached"] for c in children} == {"true", "false"}
+    assert len(list((root / "distill").iterdir())) == 2
 
 
-def test_single_run_then_cached_then_tracking_off(tiny_models, tmp_path):
-    target_dir, _ = tiny_models["qwen2"]
+def test_single_run_then_cached_then_tracking_off(tiny_chat_target, tmp_path):
+    target_dir = tiny_chat_target
     root = tmp_path / "runs"
-    args = ("experiment=t", "target=hf", f"target.name_or_path={target_dir}", f"paths.root={root}")
+    args = ("experiment=t", "target=hf", f"target.name_or_path={target_dir}", f"paths.root={root}", *SMALL)
     first = draftsmith_run(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "ran" in first.stdout and "not built yet" in first.stdout
     second = draftsmith_run(*args, cwd=tmp_path)
-    assert "cached" in second.stdout
+    assert len(re.findall(r"│ cached +│", second.stdout)) == 4  # target, data, teacher, distill
     reference = json.loads(next((root / "target").glob("*/target.json")).read_text())
-    assert reference["path"] == str(target_dir) and reference["vocab_size"] == 97
+    assert reference["path"] == str(target_dir) and reference["vocab_size"] == 49152
     assert len(reference["sha256"]["config.json"]) == 64
     runs = mlflow_runs(root)
     assert len(runs) == 4  # two invocations, each a parent and a child
