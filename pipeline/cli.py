@@ -17,9 +17,9 @@ def cli() -> None:
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(ctx: typer.Context) -> None:
-    """Run the pipeline as a Hydra app: draftsmith run [-m] [key=value ...].
+    """Run the pipeline as a Hydra app, with key=value overrides; -m runs a multirun sweep
 
-    Examples: `draftsmith run preset=gpu`, `draftsmith run -m distill.loss=tvd,jsd`.
+    Usage: draftsmith run [-m] [key=value ...]. Examples: `draftsmith run preset=gpu`, `draftsmith run -m distill.loss=tvd,jsd`.
     Hydra's own options (--cfg job, --info, -m) pass through.
     """
     from draftsmith.pipeline import app as hydra_app
