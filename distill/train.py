@@ -93,6 +93,10 @@ class Distiller:
                  log: Callable[[int, dict[str, float]], None] = lambda step, m: None):
         from accelerate import Accelerator
 
+        fits = lambda row: len(row["prompt_ids"]) < cfg.max_seq_len and row["response_ids"]  # something to learn
+        train_rows, eval_rows = [r for r in train_rows if fits(r)], [r for r in eval_rows if fits(r)]
+        if not train_rows:
+            raise ValueError(f"no training example has a response within distill.max_seq_len={cfg.max_seq_len} tokens")
         self.cfg, self.train_rows, self.eval_rows, self.work_dir, self.seed, self.log = cfg, train_rows, eval_rows, work_dir, seed, log
         cpu = cpu or not torch.cuda.is_available()
         self.accelerator = Accelerator(mixed_precision="no" if cpu else "bf16", cpu=cpu)
@@ -133,7 +137,7 @@ class Distiller:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and exact TVD to the target (full vocabulary, T = 1), per response token."""
-        if self.target is None:
+        if self.target is None or not self.eval_rows:
             return {}
         self.draft.eval()
         total_tvd, total_loss, count = 0.0, 0.0, 0
