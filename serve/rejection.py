@@ -29,7 +29,14 @@ def rejection_sample(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     u = torch.rand(B, K, device=p.device, generator=generator)
     accepted = (u * q < p).int()  # u < p/q without dividing; q > 0 for drawn tokens
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [B]
+    return num_accepted, append_correction(num_accepted, draft_tokens, draft_probs, target_probs, generator)
 
+
+def append_correction(num_accepted: Tensor, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
+                      generator: torch.Generator | None) -> Tensor:
+    """The step's tokens [B, K+1]: accepted drafts, then a draw from normalise(max(p_n - q_n, 0)) at the
+    first rejection n, or from p_{K+1} (the bonus) when all K were accepted."""
+    B = draft_tokens.shape[0]
     q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [B, K+1, V]
     at = num_accepted.view(B, 1, 1).expand(B, 1, target_probs.shape[-1])
     p_n = target_probs.gather(1, at).squeeze(1)  # [B, V]
@@ -37,7 +44,5 @@ def rejection_sample(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-12), p_n)  # p == q: nothing to correct
     correction = sample(residual, generator)  # [B]
-
     tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)  # [B, K+1]
-    tokens.scatter_(1, num_accepted.unsqueeze(1), correction.unsqueeze(1))
-    return num_accepted, tokens
+    return tokens.scatter_(1, num_accepted.unsqueeze(1), correction.unsqueeze(1))

@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from draftsmith.serve.engine import Engine
+from draftsmith.serve.rejection import append_correction
 from draftsmith.serve.sampling import RowSampling, SamplingParams, SamplingError, probabilities, sample
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_tiny_model
@@ -76,19 +77,11 @@ def speculative_samples(target_dir, draft_dir, params: SamplingParams, verify=No
 
 
 def accept_only_equal_samples(draft_tokens, draft_probs, target_probs, generator):
-    """Wrong on purpose: keep a draft token only if it equals a sample of the target, else draw from
-    the residual as if it had been rejected by the ratio test."""
-    B, K = draft_tokens.shape
+    """Wrong on purpose: keep a draft token only if it equals a sample of the target, then correct
+    from the residual as if the ratio test had rejected it."""
+    K = draft_tokens.shape[1]
     num_accepted = (sample(target_probs[:, :K], generator) == draft_tokens).int().cumprod(1).sum(1)
-    q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
-    at = num_accepted.view(B, 1, 1).expand(B, 1, target_probs.shape[-1])
-    p_n = target_probs.gather(1, at).squeeze(1)
-    residual = (p_n - q_padded.gather(1, at).squeeze(1)).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-12), p_n)
-    tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
-    tokens.scatter_(1, num_accepted.unsqueeze(1), sample(residual, generator).unsqueeze(1))
-    return num_accepted, tokens
+    return num_accepted, append_correction(num_accepted, draft_tokens, draft_probs, target_probs, generator)
 
 
 SETTINGS = [(0.7, 1.0), (1.0, 1.0), (1.0, 0.9)]
