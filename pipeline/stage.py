@@ -133,13 +133,18 @@ def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: P
         return _build(stage, cfg, inputs, final, fp, config, identity)
 
 
+def _work_dir(final: Path, fp: str) -> Path:
+    """Where a stage builds its output: fixed per fingerprint, so a killed run's work is found again."""
+    return final.parent / f".tmp-{fp[:16]}"
+
+
 def _run_beside_rank_zero(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str,
                           timeout: float = 24 * 3600) -> StageOutput:
     """A non-zero rank of a distributed stage: work in rank 0's work dir, then wait for it to publish."""
     record = read_record(final)
     if record is not None and record.get("fingerprint") == fp:
         return StageOutput(stage.name, final, fp, cached=True, record=record)
-    tmp = final.parent / f".tmp-{fp[:16]}"
+    tmp = _work_dir(final, fp)
     tmp.mkdir(exist_ok=True)
     stage.run(cfg, {name: inputs[name] for name in stage.inputs}, tmp)
     deadline = time.time() + timeout
@@ -152,7 +157,7 @@ def _run_beside_rank_zero(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutp
 
 def _build(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str,
            config: dict, identity: dict) -> StageOutput:
-    tmp = final.parent / f".tmp-{fp[:16]}"
+    tmp = _work_dir(final, fp)
     tmp.mkdir(exist_ok=True)
     started = time.time()
     try:

@@ -13,6 +13,8 @@ from typing import Any, Iterator, Mapping
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from draftsmith.pipeline.stage import process_rank
+
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
 
@@ -61,7 +63,7 @@ class ParentRunCallback(Callback):
     """Opens the invocation's parent run in MLflow and closes it with the right status."""
 
     def _open(self, config: DictConfig, kind: str) -> None:
-        if not config.tracking.enabled or os.environ.get(PARENT_ENV) or os.environ.get("RANK", "0") != "0":
+        if not config.tracking.enabled or os.environ.get(PARENT_ENV) or process_rank()[0] != 0:
             return
         c = client(_uri_from(config))
         run = c.create_run(experiment_id(c, config.experiment), run_name=f"{config.experiment}-{kind}",
