@@ -13,7 +13,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -60,6 +60,16 @@ def collate(rows: list[dict], max_seq_len: int, device: torch.device) -> Batch:
     return Batch(input_ids.to(device), attention_mask.to(device), predict.to(device), torch.tensor(labels, device=device),
                  torch.tensor(topk_ids, device=device) if has_cache else None,
                  torch.tensor(topk_logprobs, device=device) if has_cache else None)
+
+
+@torch.no_grad()
+def response_logits(models: Sequence, rows: list[dict], batch_size: int, max_seq_len: int,
+                    device: torch.device | str) -> Iterator[tuple[Batch, list[torch.Tensor]]]:
+    """For each batch of rows: the batch and each model's logits [N, V] at its response positions."""
+    for i in range(0, len(rows), batch_size):
+        batch = collate(rows[i:i + batch_size], max_seq_len, torch.device(device))
+        yield batch, [m(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict].float()
+                      for m in models]
 
 
 def position_loss(cfg: DistillConfig, student_logits: torch.Tensor, batch: Batch,
@@ -141,10 +151,8 @@ class Distiller:
             return {}
         self.draft.eval()
         total_tvd, total_loss, count = 0.0, 0.0, 0
-        for i in range(0, len(self.eval_rows), self.cfg.batch_size):
-            batch = collate(self.eval_rows[i:i + self.cfg.batch_size], self.cfg.max_seq_len, self.device)
-            logits = self.draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict]
-            target_logits = self.target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict]
+        for batch, (logits, target_logits) in response_logits([self.draft, self.target], self.eval_rows,
+                                                              self.cfg.batch_size, self.cfg.max_seq_len, self.device):
             total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
             online = None if batch.topk_ids is not None else target_logits
             total_loss += position_loss(self.cfg, logits, batch, online).sum().item()

@@ -13,6 +13,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from draftsmith.quantize.awq import QuantizeError, check_bits
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and what is allowed."""
@@ -195,7 +197,10 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
         _check(getattr(d.teacher, key) >= 1, f"distill.teacher.{key}", "1 or more", getattr(d.teacher, key))
     _check(d.learning_rate > 0, "distill.learning_rate", "a positive number", d.learning_rate)
     _check(d.teacher.temperature >= 0, "distill.teacher.temperature", "0 (greedy) or more", d.teacher.temperature)
-    _check(q.bits in (4, 8), "quantize.bits", "4 or 8 (fewer than 4 bits wrecks acceptance)", q.bits)
+    try:
+        check_bits(q.bits)
+    except QuantizeError as e:
+        raise ConfigError(str(e)) from None
     _check(q.group_size in (None, 32, 64, 128), "quantize.group_size", "null (auto), 32, 64 or 128", q.group_size)
     _check(e.max_speculative_tokens >= 1, "evaluate.max_speculative_tokens", "1 or more", e.max_speculative_tokens)
     _check(e.temperature > 0, "evaluate.temperature", "a positive number (T = 0 is always measured too)", e.temperature)

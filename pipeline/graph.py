@@ -8,11 +8,13 @@ from draftsmith.distill import data, stage as distill, teacher
 from draftsmith.pipeline import target
 from draftsmith.pipeline.config import DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput, run_stage
+from draftsmith.quantize import stage as quantize
 
 # the whole data flow of DESIGN.md, in order
 PIPELINE = ("target", "data", "teacher", "distill", "quantize", "evaluate", "publish", "registry")
 
-BUILT: dict[str, Stage] = {stage.name: stage for stage in (target.STAGE, data.STAGE, teacher.STAGE, distill.STAGE)}
+BUILT: dict[str, Stage] = {stage.name: stage for stage in (target.STAGE, data.STAGE, teacher.STAGE, distill.STAGE,
+                                                              quantize.STAGE)}
 
 
 def not_built() -> list[str]:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from draftsmith.serve.graphs import GraphedForward
 from draftsmith.serve.model import Transformer
+from draftsmith.serve.proposers import DraftModel, Proposer
 from draftsmith.serve.rejection import Verifier, rejection_sample
 from draftsmith.serve.sampling import RowSampling, SamplingParams, probabilities, sample
 from draftsmith.serve.speculative import DecodeState, StepOutput, fed_tokens, plain_step, speculative_step
@@ -102,6 +103,7 @@ class Engine:
                 model.setup_cache(max_batch_size, max_seq_len)
         self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks)
         self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if draft is not None else None
+        self.draft_proposer = DraftModel(self.draft_forward) if draft is not None else None
 
     @classmethod
     def load(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *, dtype: str = "bfloat16",
@@ -114,13 +116,14 @@ class Engine:
         kwargs.setdefault("max_seq_len", min(2048, read_config(target_dir).get("max_position_embeddings", 2048)))
         return cls(target, draft, eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir), **kwargs)
 
-    def _check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int) -> None:
+    def _check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int,
+               proposer: Proposer | None) -> None:
         if not prompts:
             raise EngineError("no prompts given")
         if len(prompts) > self.max_batch_size:
             raise EngineError(f"{len(prompts)} prompts exceed max_batch_size {self.max_batch_size}")
-        if k > 0 and self.draft is None:
-            raise EngineError("num_speculative_tokens > 0 needs a draft model")
+        if k > 0 and proposer is None:
+            raise EngineError("num_speculative_tokens > 0 needs a draft model or another proposer")
         vocab = self.target.args.vocab_size
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             if not prompt:
@@ -148,11 +151,13 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 num_speculative_tokens: int = 0) -> Generation:
-        """Generate for each prompt; K = num_speculative_tokens (0: plain decoding with the target)."""
+                 num_speculative_tokens: int = 0, proposer: Proposer | None = None) -> Generation:
+        """Generate for each prompt; K = num_speculative_tokens (0: plain decoding with the target),
+        proposed by `proposer` (default: the draft model)."""
         k = num_speculative_tokens
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        self._check(prompts, params, k)
+        proposer = proposer or self.draft_proposer
+        self._check(prompts, params, k, proposer)
         started = time.perf_counter()
         rows = RowSampling.of(params, self.device)
         seed = params[0].seed
@@ -170,7 +175,8 @@ class Engine:
         generation = Generation(completions=[])
         while any(active_rows):
             if k > 0:
-                out = speculative_step(self.target_forward, self.draft_forward, state, k, rows, generator, self.verify)
+                histories = [list(p) + s.tokens for p, s in zip(prompts, stops)] if proposer.reads_history else []
+                out = speculative_step(self.target_forward, proposer, state, k, rows, generator, self.verify, histories)
             else:
                 out = plain_step(self.target_forward, state, rows, generator)
             generation.target_steps += 1

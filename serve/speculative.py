@@ -8,13 +8,16 @@ or not the last step accepted every draft token, and every step has the same sha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from draftsmith.serve.rejection import Verifier, rejection_sample
 from draftsmith.serve.sampling import RowSampling, probabilities, sample
+
+if TYPE_CHECKING:
+    from draftsmith.serve.proposers import Proposer
 
 # (tokens [B, T], positions [B, T]) -> logits [B, T, V]
 Forward = Callable[[Tensor, Tensor], Tensor]
@@ -42,28 +45,12 @@ class StepOutput:
     target_logits: Tensor  # [B, K+1, V], for logprobs
 
 
-def propose(draft: Forward, state: DecodeState, k: int, rows: RowSampling,
-            generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-    """The draft's K tokens [B, K] and the distributions they were drawn from [B, K, V]
-    (None for an all-greedy batch, whose verification needs only the tokens)."""
-    positions = state.lengths.unsqueeze(1)  # [B, 1]
-    logits = draft(torch.stack([state.previous, state.pending], dim=1), torch.cat([positions - 1, positions], dim=1))
-    tokens, probs = [], []
-    for i in range(k):
-        if rows.all_greedy:
-            tokens.append(logits[:, -1:].argmax(-1))  # [B, 1]
-        else:
-            q = probabilities(logits[:, -1:], rows)  # [B, 1, V]
-            tokens.append(sample(q, generator))
-            probs.append(q)
-        if i + 1 < k:
-            logits = draft(tokens[-1], positions + i + 1)
-    return torch.cat(tokens, dim=1), (torch.cat(probs, dim=1) if probs else None)
-
-
-def speculative_step(target: Forward, draft: Forward, state: DecodeState, k: int, rows: RowSampling,
-                     generator: torch.Generator | None, verify: Verifier = rejection_sample) -> StepOutput:
-    draft_tokens, draft_probs = propose(draft, state, k, rows, generator)  # [B, K], [B, K, V]
+def speculative_step(target: Forward, proposer: "Proposer", state: DecodeState, k: int, rows: RowSampling,
+                     generator: torch.Generator | None, verify: Verifier = rejection_sample,
+                     histories: Sequence[Sequence[int]] = ()) -> StepOutput:
+    """Propose K tokens, score K+1 positions in one target forward, keep what the verifier accepts.
+    `proposer` is a serve.proposers.Proposer; `histories` each row's tokens so far (prompt lookup reads them)."""
+    draft_tokens, draft_probs = proposer.propose(state, k, rows, generator, histories)  # [B, K], [B, K, V]
     fed = torch.cat([state.pending.unsqueeze(1), draft_tokens], dim=1)  # [B, K+1]
     positions = state.lengths.unsqueeze(1) + torch.arange(k + 1, device=fed.device)  # [B, K+1]
     target_logits = target(fed, positions)  # [B, K+1, V]: all K+1 positions in one forward

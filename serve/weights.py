@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from draftsmith.serve.compressed import dequantize
 from draftsmith.serve.model import ModelArgs, Transformer
 
 
@@ -65,9 +66,13 @@ def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Transformer:
-    """Build the runtime model of an HF dir, weights in `dtype` on `device`, in eval mode."""
+    """Build the runtime model of an HF dir, weights in `dtype` on `device`, in eval mode.
+
+    A compressed-tensors W4A16 / W8A16 checkpoint (the quantized draft) is dequantized at load."""
     config = read_config(Path(path))
     hf_state = read_safetensors(Path(path))
+    if "quantization_config" in config:
+        hf_state = dequantize(hf_state, config["quantization_config"], dtype)
     args = ModelArgs.from_hf_config(config)
     state = to_runtime_state(hf_state, args)
     with torch.device("meta"):

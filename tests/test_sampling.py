@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from draftsmith.serve.engine import Engine
+from draftsmith.serve.proposers import PromptLookup
 from draftsmith.serve.rejection import append_correction
 from draftsmith.serve.sampling import RowSampling, SamplingParams, SamplingError, probabilities, sample
 from draftsmith.serve.weights import load_model
@@ -69,10 +70,10 @@ def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def speculative_samples(target_dir, draft_dir, params: SamplingParams, verify=None) -> np.ndarray:
+def speculative_samples(target_dir, draft_dir, params: SamplingParams, verify=None, proposer=None) -> np.ndarray:
     engine = Engine(load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64),
                     max_batch_size=SAMPLES, max_seq_len=12, **({"verify": verify} if verify else {}))
-    got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=2)
+    got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=2, proposer=proposer)
     return np.array([c.tokens[:3] for c in got.completions]), got.stats
 
 
@@ -98,6 +99,17 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_models, te
     # tokens 2 and 3 both come from one speculative step: accepted drafts, corrections and bonuses
     second_third = chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0))
     assert first_two > 1e-3 and second_third > 1e-3, (first_two, second_third)
+
+
+def test_prompt_lookup_sampling_matches_target_distribution(small_vocab_models):
+    # deterministic proposals are one-hot q: kept with probability p(token), else redrawn from the residual
+    target_dir, draft_dir = small_vocab_models
+    joint = exact_joint(target_dir, 1.0, 1.0)
+    params = SamplingParams(temperature=1.0, seed=99, max_new_tokens=3)
+    tokens, stats = speculative_samples(target_dir, draft_dir, params, proposer=PromptLookup(VOCAB))
+    assert 0.02 < stats.acceptance_rate < 0.98
+    second_third = chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0))
+    assert second_third > 1e-3, second_third
 
 
 @pytest.mark.parametrize("temperature,top_p", SETTINGS[1:])

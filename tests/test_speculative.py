@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from draftsmith.serve.engine import Engine, EngineError
+from draftsmith.serve.proposers import PromptLookup, lookup
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
 from tests.conftest import FAMILIES
@@ -59,6 +60,26 @@ def test_greedy_with_an_unrelated_draft(tiny_models):
         got = engine.generate(prompts[:4], params, num_speculative_tokens=5)
         assert [c.tokens for c in got.completions] == expected
         assert got.stats.acceptance_rate < 0.5
+
+
+def test_prompt_lookup_copies_the_latest_continuation_of_the_final_ngram():
+    assert lookup([5, 6, 7, 9, 5, 6, 7, 8, 1, 5, 6, 7], k=3, max_ngram=3, min_ngram=1) == [8, 1, 5]
+    assert lookup([1, 2, 3, 2], k=3, max_ngram=3, min_ngram=1) == [3, 2, 2]  # fewer follow: the last repeats
+    assert lookup([1, 2, 3, 4], k=2, max_ngram=3, min_ngram=1) == [4, 4]  # no match
+    assert lookup([7], k=2, max_ngram=3, min_ngram=1) == [7, 7]
+
+
+def test_greedy_prompt_lookup_equals_target_greedy(tiny_models):
+    target_dir, draft_dir = tiny_models["qwen2"]
+    engine = engines(target_dir, draft_dir, 4)
+    # repetitive prompts, so that lookups hit and acceptance paths run
+    prompts = [[i % 5 + j for i in range(14)] for j in range(8)]
+    params = SamplingParams(max_new_tokens=16)
+    expected = [c.tokens for p in (prompts[:4], prompts[4:]) for c in engine.generate(p, params).completions]
+    for k in (1, 3, 6):
+        runs = [engine.generate(p, params, k, proposer=PromptLookup(97)) for p in (prompts[:4], prompts[4:])]
+        assert [c.tokens for run in runs for c in run.completions] == expected, f"K={k}"
+        assert sum(run.stats.num_accepted_tokens for run in runs) > 0
 
 
 def test_spec_stats_count_tau_and_acceptance(tiny_models):

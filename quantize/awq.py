@@ -1,0 +1,107 @@
+"""AWQ of the draft through llm-compressor: W4A16 asymmetric, written as compressed-tensors.
+
+The target is never quantized: speculative decoding is lossless only with respect to the model that
+verifies, so quantization error in the target would change the outputs users get and distort the
+acceptance test itself. Only the draft, whose errors cost acceptance and never correctness, is.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import Sequence
+
+GROUP_SIZES = (128, 64, 32)  # largest first: fewer scales, and vLLM's kernels prefer 128
+SUPPORTED_BITS = (4, 8)
+
+
+class QuantizeError(ValueError):
+    """A quantization request that draftsmith refuses, with the reason and the fix."""
+
+
+def check_bits(bits: int) -> None:
+    if bits < 4:
+        raise QuantizeError(f"quantize.bits={bits}: fewer than 4 bits is refused: the draft's distribution drifts "
+                            "so far from the target's that acceptance collapses; use 4 (W4A16) or 8")
+    if bits not in SUPPORTED_BITS:
+        raise QuantizeError(f"quantize.bits={bits}: supported are {SUPPORTED_BITS} (W4A16 and W8A16)")
+
+
+def _weights_digest(model_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def refuse_target(model_dir: Path, target_dir: Path) -> None:
+    """Raise QuantizeError when `model_dir` is the target (same dir or same weights)."""
+    same_dir = model_dir.resolve() == target_dir.resolve()
+    if same_dir or _weights_digest(model_dir) == _weights_digest(target_dir):
+        raise QuantizeError(f"refusing to quantize the target ({model_dir}): speculative decoding is lossless only "
+                            "with respect to the verifying model, so quantization error in the target would change "
+                            "the outputs and distort the acceptance test it relies on; quantize the draft instead")
+
+
+def linear_in_features(config: dict) -> list[int]:
+    """in_features of every Linear that AWQ quantizes in a Llama-family decoder layer."""
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    return [hidden, heads * head_dim, intermediate]  # q/k/v and gate/up; o_proj; down_proj
+
+
+def choose_group_size(in_features: Sequence[int], requested: int | None = None) -> int:
+    """The requested group size, or the largest of 128, 64, 32 that divides every in_features."""
+    for size in ([requested] if requested else GROUP_SIZES):
+        if all(n % size == 0 for n in in_features):
+            return size
+    raise QuantizeError(f"no group size in {[requested] if requested else GROUP_SIZES} divides every in_features "
+                        f"{sorted(set(in_features))}; set quantize.group_size to one that does")
+
+
+def _allow_cpu_calibration() -> None:
+    """llm-compressor 0.14 pins calibration tensors in page-locked memory unconditionally, which raises
+    "Cannot access accelerator device when none is available" without a GPU; pinning only helps
+    host-to-GPU copies, so it is skipped when there is no GPU."""
+    import torch
+
+    if torch.cuda.is_available() or not metadata.version("llmcompressor").startswith("0.14."):
+        return
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache._pin_intermediate = classmethod(lambda cls, intermediate: None)
+
+
+def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: list[list[int]], *, bits: int,
+                 group_size: int | None, ignore: Sequence[str], device: str = "cpu") -> dict:
+    """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors); return what was done."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_bits(bits)
+    refuse_target(draft_dir, target_dir)
+    if not calibration:
+        raise QuantizeError("no calibration samples: AWQ needs the domain training split")
+    config = json.loads((draft_dir / "config.json").read_text())
+    group = choose_group_size(linear_in_features(config), group_size)
+    _allow_cpu_calibration()
+    model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    dataset = Dataset.from_list([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration])
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group)
+    recipe = [AWQModifier(duo_scaling=True),
+              QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+                                   ignore=list(ignore))]
+    oneshot(model=model, processor=AutoTokenizer.from_pretrained(draft_dir), dataset=dataset, recipe=recipe,
+            num_calibration_samples=len(calibration), max_seq_length=max(len(ids) for ids in calibration),
+            shuffle_calibration_samples=False)
+    model.to(torch.bfloat16)  # scales and the unquantized embeddings / norms ship in bf16
+    model.save_pretrained(out_dir, save_compressed=True)
+    return {"bits": bits, "group_size": group, "ignore": list(ignore), "scheme": f"W{bits}A16 asymmetric",
+            "num_calibration_samples": len(calibration)}
