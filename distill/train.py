@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from draftsmith.distill import checkpoint, losses
@@ -44,12 +45,12 @@ def collate(rows: list[dict], max_seq_len: int, device: torch.device) -> Batch:
         sequences.append(seq)
         spans.append((len(prompt) - 1, len(seq) - 1))  # predicting positions [start, end)
     longest = max(len(s) for s in sequences)
-    input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), longest, dtype=torch.long)
-    predict = torch.zeros(len(rows), longest, dtype=torch.bool)
+    input_ids = np.zeros((len(rows), longest), dtype=np.int64)  # built in numpy: one copy to torch, not one per row
+    attention_mask = np.zeros((len(rows), longest), dtype=np.int64)
+    predict = np.zeros((len(rows), longest), dtype=bool)
     labels, topk_ids, topk_logprobs = [], [], []
     for i, (seq, (start, end)) in enumerate(zip(sequences, spans)):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
+        input_ids[i, : len(seq)] = seq
         attention_mask[i, : len(seq)] = 1
         predict[i, start:end] = True
         labels.extend(seq[start + 1:end + 1])
@@ -57,7 +58,8 @@ def collate(rows: list[dict], max_seq_len: int, device: torch.device) -> Batch:
             topk_ids.extend(rows[i]["topk_ids"][: end - start])
             topk_logprobs.extend(rows[i]["topk_logprobs"][: end - start])
     has_cache = bool(topk_ids)
-    return Batch(input_ids.to(device), attention_mask.to(device), predict.to(device), torch.tensor(labels, device=device),
+    to = lambda array: torch.from_numpy(array).to(device, non_blocking=True)
+    return Batch(to(input_ids), to(attention_mask), to(predict), to(np.array(labels, dtype=np.int64)),
                  torch.tensor(topk_ids, device=device) if has_cache else None,
                  torch.tensor(topk_logprobs, device=device) if has_cache else None)
 
@@ -68,8 +70,16 @@ def response_logits(models: Sequence, rows: list[dict], batch_size: int, max_seq
     """For each batch of rows: the batch and each model's logits [N, V] at its response positions."""
     for i in range(0, len(rows), batch_size):
         batch = collate(rows[i:i + batch_size], max_seq_len, torch.device(device))
-        yield batch, [m(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict].float()
-                      for m in models]
+        yield batch, [predicted_logits(m, batch).float() for m in models]
+
+
+def predicted_logits(model, batch: Batch) -> torch.Tensor:
+    """The model's logits [N, V] at the batch's response positions only. Rows are right-padded, so
+    every response position lies in the last `keep` positions: the LM head (V = 49,152 columns for
+    SmolLM2) runs on those instead of on every prompt and padding position."""
+    keep = batch.input_ids.shape[1] - int(batch.predict.int().argmax(dim=1).min())
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+    return logits[batch.predict[:, -keep:]]  # [N, V]
 
 
 def position_loss(cfg: DistillConfig, student_logits: torch.Tensor, batch: Batch,
@@ -137,11 +147,11 @@ class Distiller:
         return [mine[i:i + size] for i in range(0, len(mine), size)][: self.cfg.grad_accum_steps]
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        logits = self.draft(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict]  # [N, V]
+        logits = predicted_logits(self.draft, batch)  # [N, V]
         target_logits = None
         if self.online:
             with torch.no_grad():
-                target_logits = self.target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.predict]
+                target_logits = predicted_logits(self.target, batch)
         return position_loss(self.cfg, logits, batch, target_logits).mean()
 
     @torch.no_grad()

@@ -8,8 +8,9 @@ from rich.table import Table
 
 import hydra
 from draftsmith.pipeline.config import ConfigError, register_schema, validate
-from draftsmith.pipeline.graph import not_built, run_pipeline
-from draftsmith.pipeline.stage import StageOutput, process_rank
+from draftsmith.pipeline.graph import PIPELINE, STAGES, run_pipeline
+from draftsmith.pipeline.stage import StageError, StageOutput, process_rank
+from draftsmith.pipeline.target import load_reference
 from draftsmith.pipeline.tracking import JobRun, config_params, run_root, tracking_uri
 
 register_schema()
@@ -34,8 +35,8 @@ def _summary(outputs: list[StageOutput], root) -> Table:
                              for k, v in out.metrics.items() if not isinstance(v, (list, dict)))
         table.add_row(out.name, "cached" if out.cached else "ran", f"{out.record.get('seconds', 0):.1f}",
                       out.path.name[:8], metrics)
-    for name in not_built():
-        table.add_row(name, "[dim]not built yet[/dim]", "", "", "")
+    for name in PIPELINE[len(outputs):]:
+        table.add_row(name, "[dim]skipped (stop_after)[/dim]", "", "", "")
     return table
 
 
@@ -52,17 +53,46 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
     if typed.tracking.enabled and process_rank()[0] == 0:  # one rank reports for a distributed job
         job = JobRun(tracking_uri(typed.tracking.uri, typed.paths.root), typed.experiment, _job_name(cfg),
                      config_params(cfg))
+    def on_stage(output: StageOutput) -> None:
+        if job:
+            job.log_stage(output.name, output.fingerprint, output.cached, output.metrics)
+            for name in STAGES[output.name].artifacts:
+                job.log_artifact(output.path / name, output.name)
+
     try:
-        outputs = run_pipeline(typed, root, on_stage=lambda o: job and job.log_stage(o.name, o.fingerprint, o.cached, o.metrics))
-    except BaseException:
+        outputs = run_pipeline(typed, root, on_stage=on_stage)
+    except BaseException as e:
         if job:
             job.end("FAILED")
+        if isinstance(e, StageError):
+            console.print(f"[red]{e}[/red]")
+            raise SystemExit(1) from None
         raise
     if job:
         job.end("FINISHED")
     if process_rank()[0] == 0:
         console.print(_summary(outputs, root))
+        _print_published({o.name: o for o in outputs})
     return outputs
+
+
+def _print_published(outputs: dict[str, StageOutput]) -> None:
+    """Where the bundle is, how good it is, and how to serve it."""
+    from draftsmith.pipeline.publish import bundle_of, vllm_command
+
+    if "publish" not in outputs:
+        return
+    bundle, m = bundle_of(outputs["publish"]), outputs["publish"].metrics
+    target = load_reference(outputs["target"])["path"]
+    console.print(f"bundle: {bundle}", soft_wrap=True)
+    console.print(f"alpha={m['alpha']:.4f} tau={m['tau']:.4f} num_speculative_tokens={m['num_speculative_tokens']} "
+                  f"quantization={m['quantization']}", soft_wrap=True)
+    console.print(vllm_command(bundle, target, m["num_speculative_tokens"], m["max_model_len"]), soft_wrap=True, markup=False)
+    registered = outputs.get("registry")
+    if registered and registered.metrics.get("registered"):
+        r = registered.metrics
+        state = "champion" if r["champion"] else "registered, not promoted"
+        console.print(f"registry: {r['name']} version {r['version']}: {state} ({r['reason']})", soft_wrap=True)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://draftsmith.conf", config_name="config")

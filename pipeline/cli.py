@@ -96,5 +96,80 @@ def bench_decode(
         write_results(rows, out, " ".join(sys.argv), device, {"target": target, "draft": str(draft)})
 
 
+bundle_app = typer.Typer(help="Published bundles.", no_args_is_help=True)
+app.add_typer(bundle_app, name="bundle")
+
+
+@bundle_app.command("verify")
+def bundle_verify(path: Path = typer.Argument(..., help="the bundle dir")) -> None:
+    """Check the manifest, tokenizer identity, vocab sizes and speculative_config against vLLM's constraints."""
+    from draftsmith.pipeline.bundle import BundleError, verify
+
+    try:
+        spec = verify(path)
+    except BundleError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{path}: ok (num_speculative_tokens={spec['num_speculative_tokens']})")
+
+
+registry_app = typer.Typer(help="Registered bundles in the MLflow model registry.", no_args_is_help=True)
+app.add_typer(registry_app, name="registry")
+URI_HELP = "MLflow tracking/registry URI; default: the embedded sqlite store of --root"
+
+
+def _registry_uri(uri: str | None, root: str) -> str:
+    from draftsmith.pipeline.tracking import tracking_uri
+
+    return tracking_uri(uri, root)
+
+
+@registry_app.command("list")
+def registry_list(name: str = typer.Option("draftsmith-draft", help="registered model name"),
+                  uri: str = typer.Option(None, help=URI_HELP), root: str = typer.Option("runs/demo", help="run root")) -> None:
+    """Every version with its tau, alpha, K, quantization and why it was (not) promoted."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from draftsmith.pipeline.registry import list_versions
+
+    rows = list_versions(_registry_uri(uri, root), name)
+    table = Table(title=f"registry: {name}")
+    for column in ("version", "champion", "tau", "alpha", "k", "quantization", "gates_passed", "reason"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(row[c] for c in ("version", "champion", "tau", "alpha", "k", "quantization", "gates_passed", "reason")))
+    Console().print(table)
+
+
+@registry_app.command("promote")
+def registry_promote(version: str = typer.Argument(..., help="version to make champion"),
+                     name: str = typer.Option("draftsmith-draft", help="registered model name"),
+                     uri: str = typer.Option(None, help=URI_HELP), root: str = typer.Option("runs/demo", help="run root")) -> None:
+    """Make VERSION the champion by hand (the one it replaces is remembered for rollback)."""
+    from draftsmith.pipeline.registry import RegistryError, promote
+
+    try:
+        promote(_registry_uri(uri, root), name, version)
+    except RegistryError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{name}@champion -> version {version}")
+
+
+@registry_app.command("rollback")
+def registry_rollback(name: str = typer.Option("draftsmith-draft", help="registered model name"),
+                      uri: str = typer.Option(None, help=URI_HELP), root: str = typer.Option("runs/demo", help="run root")) -> None:
+    """Point champion back at the version the current champion replaced."""
+    from draftsmith.pipeline.registry import RegistryError, rollback
+
+    try:
+        version = rollback(_registry_uri(uri, root), name)
+    except RegistryError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{name}@champion -> version {version}")
+
+
 if __name__ == "__main__":
     main()

@@ -112,6 +112,7 @@ class QuantizeConfig:
 @dataclass
 class EvaluateConfig:
     num_prompts: int = MISSING
+    batch_size: int = MISSING
     max_new_tokens: int = MISSING
     max_speculative_tokens: int = MISSING
     temperature: float = MISSING
@@ -151,6 +152,7 @@ class PathsConfig:
 @dataclass
 class DraftsmithConfig:
     experiment: str = MISSING
+    stop_after: Optional[str] = None  # the last stage to run (None: all of them)
     device: Device = MISSING
     seed: int = MISSING
     target: TargetConfig = MISSING
@@ -168,6 +170,10 @@ class DraftsmithConfig:
 def register_schema() -> None:
     """Make the schema available to conf/config.yaml's defaults list as `schema`."""
     ConfigStore.instance().store(name="schema", node=DraftsmithConfig)
+
+
+# the pipeline's stages in order (pipeline/graph.py maps each to its code)
+STAGE_NAMES = ("target", "data", "teacher", "distill", "quantize", "evaluate", "publish", "registry")
 
 
 def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
@@ -197,11 +203,14 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
         _check(getattr(d.teacher, key) >= 1, f"distill.teacher.{key}", "1 or more", getattr(d.teacher, key))
     _check(d.learning_rate > 0, "distill.learning_rate", "a positive number", d.learning_rate)
     _check(d.teacher.temperature >= 0, "distill.teacher.temperature", "0 (greedy) or more", d.teacher.temperature)
+    _check(typed.stop_after in (None, *STAGE_NAMES), "stop_after", f"null or one of {', '.join(STAGE_NAMES)}", typed.stop_after)
     try:
         check_bits(q.bits)
     except QuantizeError as e:
         raise ConfigError(str(e)) from None
     _check(q.group_size in (None, 32, 64, 128), "quantize.group_size", "null (auto), 32, 64 or 128", q.group_size)
+    for key in ("num_prompts", "batch_size", "max_new_tokens"):
+        _check(getattr(e, key) >= 1, f"evaluate.{key}", "1 or more", getattr(e, key))
     _check(e.max_speculative_tokens >= 1, "evaluate.max_speculative_tokens", "1 or more", e.max_speculative_tokens)
     _check(e.temperature > 0, "evaluate.temperature", "a positive number (T = 0 is always measured too)", e.temperature)
     _check(0.0 <= e.min_alpha <= 1.0, "evaluate.min_alpha", "a number in [0, 1]", e.min_alpha)

@@ -1,34 +1,30 @@
-"""The stage graph: the pipeline's stages in order, which of them exist, and running them."""
+"""The stage graph: the pipeline's stages in DESIGN.md's order, and running them."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
 
 from draftsmith.distill import data, stage as distill, teacher
-from draftsmith.pipeline import target
-from draftsmith.pipeline.config import DraftsmithConfig
-from draftsmith.pipeline.stage import Stage, StageOutput, run_stage
+from draftsmith.evaluate import stage as evaluate
+from draftsmith.pipeline import publish, registry, target
+from draftsmith.pipeline.config import STAGE_NAMES, DraftsmithConfig
+from draftsmith.pipeline.stage import Stage, StageOutput, check_stage, run_stage
 from draftsmith.quantize import stage as quantize
 
-# the whole data flow of DESIGN.md, in order
-PIPELINE = ("target", "data", "teacher", "distill", "quantize", "evaluate", "publish", "registry")
-
-BUILT: dict[str, Stage] = {stage.name: stage for stage in (target.STAGE, data.STAGE, teacher.STAGE, distill.STAGE,
-                                                              quantize.STAGE)}
-
-
-def not_built() -> list[str]:
-    return [name for name in PIPELINE if name not in BUILT]
+STAGES: dict[str, Stage] = {stage.name: stage for stage in (
+    target.STAGE, data.STAGE, teacher.STAGE, distill.STAGE, quantize.STAGE, evaluate.STAGE, publish.STAGE, registry.STAGE)}
+PIPELINE = tuple(STAGES)
+assert PIPELINE == STAGE_NAMES, "pipeline/config.py's STAGE_NAMES must list the stages in order"
 
 
 def run_pipeline(cfg: DraftsmithConfig, root: Path,
                  on_stage: Callable[[StageOutput], None] = lambda output: None) -> list[StageOutput]:
-    """Run every built stage in order whose inputs exist; return their outputs."""
+    """Run the stages in order, up to and including cfg.stop_after; return their outputs."""
     outputs: dict[str, StageOutput] = {}
-    for name in PIPELINE:
-        stage = BUILT.get(name)
-        if stage is None or any(i not in outputs for i in stage.inputs):
-            continue
+    for name, stage in STAGES.items():
         outputs[name] = run_stage(stage, cfg, outputs, root)
         on_stage(outputs[name])
+        check_stage(stage, cfg, outputs[name])
+        if name == cfg.stop_after:
+            break
     return list(outputs.values())

@@ -56,6 +56,8 @@ class Stage:
     run: StageFn
     identity: IdentityFn | None = None  # facts outside the config that change the output
     distributed: bool = False  # under torchrun / accelerate launch every rank takes part in run()
+    check: Callable[[Any, "StageOutput"], None] | None = None  # run on the output, fresh or cached; raising fails the job
+    artifacts: tuple[str, ...] = ()  # files of the output logged to MLflow
 
 
 def process_rank() -> tuple[int, int]:
@@ -108,6 +110,15 @@ def config_section(cfg: Any, key: str) -> Any:
     return cfg
 
 
+def check_stage(stage: Stage, cfg: Any, output: StageOutput) -> None:
+    """The stage's check on its output (a gate, say): a failure stops the pipeline after it."""
+    if stage.check:
+        try:
+            stage.check(cfg, output)
+        except Exception as e:
+            raise StageError(f"stage '{stage.name}': {e}") from e
+
+
 def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: Path) -> StageOutput:
     """Run `stage` into root/<name>/<fingerprint[:16]>, or reuse that output if it is complete.
 
@@ -129,8 +140,10 @@ def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: P
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = read_record(final)
         if record is not None and record.get("fingerprint") == fp:
-            return StageOutput(stage.name, final, fp, cached=True, record=record)
-        return _build(stage, cfg, inputs, final, fp, config, identity)
+            output = StageOutput(stage.name, final, fp, cached=True, record=record)
+        else:
+            output = _build(stage, cfg, inputs, final, fp, config, identity)
+    return output
 
 
 def _work_dir(final: Path, fp: str) -> Path:

@@ -20,6 +20,7 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 
 PARENT_ENV = "DRAFTSMITH_MLFLOW_PARENT_RUN_ID"
 PARENT_URI_ENV = "DRAFTSMITH_MLFLOW_PARENT_URI"
+JOB_RUN_ENV = "DRAFTSMITH_MLFLOW_JOB_RUN_ID"  # the job's child run: the registry logs the bundle into it
 
 
 def run_root(paths_root: str) -> Path:
@@ -115,6 +116,7 @@ class JobRun:
             tags["mlflow.parentRunId"] = parent
         run = self.client.create_run(experiment_id(self.client, experiment), run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
+        os.environ[JOB_RUN_ENV] = self.run_id
         from mlflow.entities import Param
 
         items = [Param(k, str(v)[:6000]) for k, v in flatten(params)]
@@ -137,6 +139,7 @@ class JobRun:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def end(self, status: str) -> None:
+        os.environ.pop(JOB_RUN_ENV, None)
         self.client.set_terminated(self.run_id, status=status)
 
 

@@ -39,7 +39,7 @@ def test_enum_values_are_refused_at_composition(override, message):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("quantize.bits=3", r"quantize.bits=3 is not allowed: 4 or 8"),
+    ("quantize.bits=3", r"quantize.bits=3: fewer than 4 bits is refused"),
     ("quantize.group_size=100", r"quantize.group_size=100 is not allowed: null \(auto\), 32, 64 or 128"),
     ("data.eval_fraction=1.5", r"data.eval_fraction=1.5 is not allowed: a fraction in \(0, 1\)"),
     ("distill.max_steps=0", r"distill.max_steps=0 is not allowed: 1 or more"),

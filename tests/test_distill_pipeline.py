@@ -18,7 +18,7 @@ def args_for(target: Path, root: Path, *extra: str, multirun: bool = False) -> l
     return [DRAFTSMITH, "run", *(["-m"] if multirun else []), "experiment=t", "target=hf", f"target.name_or_path={target}", f"paths.root={root}",
             "tracking.enabled=false", "data.max_prompts=40", "data.eval_fraction=0.2", "distill.teacher.max_new_tokens=12",
             "distill.teacher.top_k_logits=16", "distill.batch_size=4", "draft.num_layers=1", "distill.warmup_steps=2",
-            "distill.learning_rate=3e-3", *extra]
+            "distill.learning_rate=3e-3", "stop_after=distill", *extra]
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

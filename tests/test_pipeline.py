@@ -15,7 +15,7 @@ DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
 
 
 # the smallest pipeline: 8 prompts, 4-token answers, 2 training steps
-SMALL = ("data.max_prompts=8", "distill.teacher.max_new_tokens=4", "distill.max_steps=2", "distill.eval_every=2",
+SMALL = ("stop_after=distill", "data.max_prompts=8", "distill.teacher.max_new_tokens=4", "distill.max_steps=2", "distill.eval_every=2",
          "draft.num_layers=1", "distill.batch_size=2")
 
 
@@ -60,7 +60,7 @@ def test_single_run_then_cached_then_tracking_off(tiny_chat_target, tmp_path):
     args = ("experiment=t", "target=hf", f"target.name_or_path={target_dir}", f"paths.root={root}", *SMALL)
     first = draftsmith_run(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "ran" in first.stdout and "not built yet" in first.stdout
+    assert "ran" in first.stdout and "skipped (stop_after)" in first.stdout
     second = draftsmith_run(*args, cwd=tmp_path)
     assert len(re.findall(r"│ cached +│", second.stdout)) == 4  # target, data, teacher, distill
     reference = json.loads(next((root / "target").glob("*/target.json")).read_text())

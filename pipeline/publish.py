@@ -1,0 +1,119 @@
+"""The publish stage: write the bundle (DESIGN.md) and verify it before it is moved into place.
+
+Atomic by the stage contract: everything is written into the stage's work dir, which is renamed into
+place only when complete, so a crash leaves no bundle behind.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from draftsmith.pipeline import bundle as bundles
+from draftsmith.pipeline.config import DraftsmithConfig
+from draftsmith.pipeline.stage import Stage, StageOutput
+from draftsmith.pipeline.target import load_reference
+from draftsmith.quantize.stage import draft_dir_of
+
+BUNDLE_DIR = "bundle"
+_TARGET_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")  # an HF dir without pickles
+
+
+def bundle_of(output: StageOutput) -> Path:
+    return output.path / BUNDLE_DIR
+
+
+def serve_script(target: str, k: int, max_model_len: int) -> str:
+    """serve.sh: vLLM by default, draftsmith's own runtime with `./serve.sh draftsmith`."""
+    spec = json.dumps({"method": bundles.METHOD, "model": "@BUNDLE@/draft", "num_speculative_tokens": k})
+    return "\n".join([
+        "#!/usr/bin/env bash",
+        "# Serve the target with this bundle's draft, lossless. Usage: ./serve.sh [vllm|draftsmith] [extra args...]",
+        "set -euo pipefail",
+        'BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+        f"TARGET={target}",
+        f"SPEC={shlex.quote(spec)}",
+        'runtime="${1:-vllm}"; shift || true',
+        'case "$runtime" in',
+        f'  vllm) exec vllm serve "$TARGET" --max-model-len {max_model_len} --speculative-config "${{SPEC//@BUNDLE@/$BUNDLE}}" "$@" ;;',
+        '  draftsmith) exec draftsmith serve "$BUNDLE" "$@" ;;',
+        '  *) echo "usage: $0 [vllm|draftsmith] [args...]" >&2; exit 2 ;;',
+        "esac", ""])
+
+
+def vllm_command(bundle: Path, target: str, k: int, max_model_len: int) -> str:
+    spec = json.dumps({"method": bundles.METHOD, "model": str(bundle / "draft"), "num_speculative_tokens": k})
+    return f"vllm serve {shlex.quote(target)} --max-model-len {max_model_len} --speculative-config {shlex.quote(spec)}"
+
+
+def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: dict, quantize: dict, target: str) -> str:
+    from draftsmith.evaluate.report import PLOTS, markdown
+
+    k = report["num_speculative_tokens"]
+    quantized = quantize.get("scheme", "not quantized (bf16)")
+    lines = [
+        f"# Speculative-decoding draft for {reference['name_or_path']}", "",
+        f"A {cfg.draft.num_layers}-layer draft distilled by draftsmith from the target's logits "
+        f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens), on the target's tokenizer, "
+        f"{quantized}. Speculative decoding with it is lossless: outputs follow the target's distribution exactly.", "",
+        "## How it was made", "",
+        f"- Target: `{reference['name_or_path']}` ({reference['num_hidden_layers']} layers, vocab {reference['vocab_size']})",
+        f"- Draft: `draft.init={cfg.draft.init.value}`, {cfg.draft.num_layers} layers",
+        f"- Held-out TVD to the target: {distill.get('tvd_initial', float('nan')):.4f} before distillation, "
+        f"{distill.get('tvd_final', float('nan')):.4f} after"
+        + (f", {quantize['tvd_after']:.4f} after quantization" if "tvd_after" in quantize else ""),
+    ]
+    if "size_mb_bf16" in quantize:
+        lines.append(f"- Size: {quantize['size_mb_bf16']:.1f} MB in bf16, {quantize['size_mb_quantized']:.1f} MB quantized "
+                     f"({quantize['size_mb_bf16_without_embeddings']:.1f} / {quantize['size_mb_quantized_without_embeddings']:.1f} MB "
+                     "without embeddings)")
+    lines += ["", "## Serve", "", "```sh", "./serve.sh            # vLLM", "./serve.sh draftsmith # draftsmith's runtime",
+              f"# or: vllm serve {target} --speculative-config "
+              f"'{{\"method\": \"draft_model\", \"model\": \"<bundle>/draft\", \"num_speculative_tokens\": {k}}}'",
+              "```", "", "## Acceptance on held-out domain prompts", "", markdown(report), ""]
+    lines += [f"![{name}]({name})" for name in PLOTS]
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
+    evaluation = inputs["evaluate"]
+    report = json.loads((evaluation.path / "eval.json").read_text())
+    if not report["gates"]["passed"] and not cfg.publish.override_gates:
+        raise ValueError("the evaluation gates failed; publish.override_gates=true publishes anyway")
+    reference = load_reference(inputs["target"])
+    bundle = out / BUNDLE_DIR
+    shutil.rmtree(bundle, ignore_errors=True)  # a killed earlier attempt's leftovers
+    bundle.mkdir()
+    shutil.copytree(draft_dir_of(inputs["distill"], inputs["quantize"]), bundle / "draft")
+    if cfg.publish.include_target:
+        (bundle / "target").mkdir()
+        for pattern in _TARGET_FILES:
+            for file in Path(reference["path"]).glob(pattern):
+                shutil.copy2(file, bundle / "target" / file.name)
+        target = '"$BUNDLE/target"'
+    else:
+        target = shlex.quote(reference["path"])
+    (bundle / bundles.TARGET_JSON).write_text(json.dumps(reference, indent=2))
+    k = report["num_speculative_tokens"]
+    (bundle / bundles.SPECULATIVE_CONFIG).write_text(json.dumps({"method": bundles.METHOD, "model": "draft",
+                                                                 "num_speculative_tokens": k}, indent=2))
+    draft_len = json.loads((bundle / "draft" / "config.json").read_text()).get("max_position_embeddings", 2048)
+    max_model_len = min(cfg.serve.max_model_len, draft_len, reference.get("max_position_embeddings") or draft_len)
+    (bundle / "serve.sh").write_text(serve_script(target, k, max_model_len))
+    (bundle / "serve.sh").chmod(0o755)
+    for name in ("eval.json", "eval.md", "acceptance_by_position.png", "tau_vs_k.png", "speedup.png"):
+        shutil.copy2(evaluation.path / name, bundle / name)
+    (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,
+                                                 inputs["quantize"].metrics, reference["path"]))
+    manifest = bundles.write_manifest(bundle)
+    bundles.verify(bundle)
+    return {"num_speculative_tokens": k, "alpha": evaluation.metrics["alpha"], "tau": evaluation.metrics["tau"],
+            "quantization": inputs["quantize"].metrics.get("scheme", "none"), "files": len(manifest["files"]),
+            "size_mb": round(sum(f["size"] for f in manifest["files"].values()) / 1e6, 2), "max_model_len": max_model_len,
+            "gates_overridden": not report["gates"]["passed"]}
+
+
+STAGE = Stage(name="publish", config_keys=("publish", "serve.max_model_len"),
+              inputs=("target", "distill", "quantize", "evaluate"), run=run)

@@ -1,0 +1,38 @@
+"""A published bundle as an MLflow pyfunc: predict takes prompts and returns the target's completions,
+generated speculatively with the bundle's draft and K (lossless, so the same as the target alone)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow.pyfunc
+
+
+class BundleModel(mlflow.pyfunc.PythonModel):
+    def load_context(self, context) -> None:
+        from transformers import AutoTokenizer
+
+        from draftsmith.pipeline.bundle import target_dir_of, verify
+        from draftsmith.serve.engine import Engine, compute_dtype, pick_device
+
+        bundle = Path(context.artifacts["bundle"])
+        self.k = verify(bundle)["num_speculative_tokens"]
+        device = pick_device("auto")
+        dtype = str(compute_dtype("bfloat16", device)).removeprefix("torch.")
+        self.engine = Engine.load(target_dir_of(bundle), bundle / "draft", dtype=dtype, device=device)
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir_of(bundle))
+
+    def predict(self, context, model_input, params: dict | None = None) -> list[str]:
+        """model_input: a list of prompts (or a DataFrame with a `prompt` column); params: max_tokens, temperature, seed."""
+        from draftsmith.serve.sampling import SamplingParams
+
+        prompts = list(model_input["prompt"]) if hasattr(model_input, "columns") else list(model_input)
+        params = params or {}
+        sampling = SamplingParams(temperature=float(params.get("temperature", 0.0)), seed=params.get("seed"),
+                                  max_new_tokens=int(params.get("max_tokens", 128)))
+        texts = []
+        for prompt in prompts:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            completion = self.engine.generate([ids], sampling, self.k).completions[0]
+            texts.append(completion.text)
+        return texts

@@ -1,0 +1,155 @@
+"""The bundle end to end on a tiny chat target: published, verified, registered and promoted; verify
+catching tampering; a crash mid-publish leaving nothing; promotion rules; a sweep picking its best."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.pipeline.bundle import BundleError, verify, write_manifest
+from draftsmith.pipeline.registry import decide
+
+DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
+
+
+def draftsmith(*args, cwd):
+    return subprocess.run([DRAFTSMITH, *args], cwd=cwd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "COLUMNS": "220"})
+
+
+def pipeline_args(target: Path, root: Path) -> list[str]:
+    return ["run", "experiment=t", "target=hf", f"target.name_or_path={target}", f"paths.root={root}",
+            "data.max_prompts=24", "data.eval_fraction=0.25", "distill.teacher.max_new_tokens=8", "distill.max_steps=4",
+            "distill.eval_every=4", "draft.num_layers=1", "distill.batch_size=4", "quantize.num_calibration_samples=8",
+            "evaluate.max_new_tokens=10", "evaluate.batch_size=3", "evaluate.min_alpha=0.0", "evaluate.max_tau_loss=1.0",
+            "evaluate.max_speculative_tokens=3"]
+
+
+def registry_rows(root: Path) -> list[dict]:
+    from draftsmith.pipeline.registry import list_versions
+
+    return list_versions(f"sqlite:///{root / 'mlflow.db'}", "draftsmith-draft")
+
+
+@pytest.fixture(scope="module")
+def published(tiny_chat_target, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("publish")
+    done = draftsmith(*pipeline_args(tiny_chat_target, tmp / "runs"), cwd=tmp)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    bundles = [p / "bundle" for p in (tmp / "runs" / "publish").iterdir() if not p.name.startswith(".")]
+    assert len(bundles) == 1
+    return tmp, bundles[0], done
+
+
+def test_published_bundle_verifies_and_is_the_registered_champion(published):
+    tmp, bundle, done = published
+    assert draftsmith("bundle", "verify", str(bundle), cwd=tmp).returncode == 0
+    spec = json.loads((bundle / "speculative_config.json").read_text())
+    assert spec["method"] == "draft_model" and spec["model"] == "draft" and 1 <= spec["num_speculative_tokens"] <= 3
+    assert json.loads((bundle / "draft" / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    for name in ("target.json", "serve.sh", "eval.json", "README.md", "manifest.json", "tau_vs_k.png"):
+        assert (bundle / name).is_file(), name
+    assert "vllm serve" in (bundle / "serve.sh").read_text() and "draftsmith serve" in (bundle / "serve.sh").read_text()
+    rows = registry_rows(tmp / "runs")
+    assert len(rows) == 1 and rows[0]["champion"] == "yes" and rows[0]["quantization"] == "W4A16 asymmetric"
+    # the summary names the bundle, alpha, tau, K and the vllm command
+    assert f"bundle: {bundle}" in done.stdout and "registry: draftsmith-draft version 1: champion" in done.stdout
+    assert "--speculative-config" in done.stdout and f"{bundle}/draft" in done.stdout
+
+
+def test_registered_model_loads_from_code_and_generates(published):
+    import mlflow
+
+    tmp, _, _ = published
+    mlflow.set_tracking_uri(f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+    model = mlflow.pyfunc.load_model("models:/draftsmith-draft@champion")
+    texts = model.predict(["How do I reset my card PIN?"], params={"max_tokens": 6})
+    assert len(texts) == 1 and isinstance(texts[0], str)
+
+
+@pytest.fixture
+def bundle_copy(published, tmp_path):
+    _, bundle, _ = published
+    return Path(shutil.copytree(bundle, tmp_path / "bundle"))
+
+
+def test_verify_catches_a_flipped_byte_in_the_draft_weights(bundle_copy):
+    weights = bundle_copy / "draft" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"changed file: draft/model.safetensors"):
+        verify(bundle_copy)
+
+
+def test_verify_catches_a_removed_tokenizer_file(bundle_copy):
+    (bundle_copy / "draft" / "tokenizer.json").unlink()
+    with pytest.raises(BundleError, match=r"missing file: draft/tokenizer.json"):
+        verify(bundle_copy)
+
+
+def test_verify_catches_a_draft_with_another_vocab_size(bundle_copy):
+    config = json.loads((bundle_copy / "draft" / "config.json").read_text())
+    config["vocab_size"] = 49154
+    (bundle_copy / "draft" / "config.json").write_text(json.dumps(config))
+    write_manifest(bundle_copy)  # a bundle built wrong, not tampered with: only the vocab check can catch it
+    with pytest.raises(BundleError, match=r"draft vocab size 49154 != target 49152"):
+        verify(bundle_copy)
+
+
+def test_verify_catches_k_zero(bundle_copy, published):
+    spec = json.loads((bundle_copy / "speculative_config.json").read_text())
+    (bundle_copy / "speculative_config.json").write_text(json.dumps({**spec, "num_speculative_tokens": 0}))
+    write_manifest(bundle_copy)
+    with pytest.raises(BundleError, match=r"num_speculative_tokens=0: vLLM needs a positive integer"):
+        verify(bundle_copy)
+    done = draftsmith("bundle", "verify", str(bundle_copy), cwd=published[0])
+    assert done.returncode == 1 and "num_speculative_tokens=0" in done.stderr
+
+
+def test_a_crash_mid_publish_leaves_no_bundle_and_no_registry_entry(tiny_chat_target, published, tmp_path):
+    # run everything up to publish, then break the draft so that copying it fails half way through
+    root = tmp_path / "runs"
+    args = pipeline_args(tiny_chat_target, root)
+    shutil.copytree(published[0] / "runs", root, ignore=shutil.ignore_patterns("publish", "registry", "mlflow.db", ".locks"))
+    for p in (root / "quantize").glob("*/draft"):
+        (p / "zz-dangling").symlink_to(p / "does-not-exist")
+    crashed = draftsmith(*args, cwd=tmp_path)
+    assert crashed.returncode == 1 and "stage 'publish' failed" in crashed.stdout
+    assert [p for p in (root / "publish").iterdir()] == []  # no bundle and no half-written work dir
+    assert registry_rows(root) == []
+
+
+def test_promotion_needs_passed_gates_a_higher_tau_and_the_same_split():
+    champion = {"gates_passed": "true", "tau": "2.0", "k": "3", "eval_split": "a"}
+    assert decide({**champion, "tau": "2.5"}, champion).promote
+    assert not decide({**champion, "tau": "1.5"}, champion).promote
+    assert "does not beat" in decide({**champion, "tau": "2.0"}, champion).reason
+    assert not decide({**champion, "tau": "3.0", "gates_passed": "false"}, champion).promote
+    assert "another held-out split" in decide({**champion, "tau": "3.0", "eval_split": "b"}, champion).reason
+    assert decide(champion, None).promote
+
+
+def test_a_sweep_registers_each_job_and_the_best_becomes_champion(tiny_chat_target, published, tmp_path):
+    root = tmp_path / "runs"
+    shutil.copytree(published[0] / "runs", root, ignore=shutil.ignore_patterns("distill", "quantize", "evaluate", "publish",
+                                                                               "registry", "mlflow.db", ".locks"))
+    args = [a for a in pipeline_args(tiny_chat_target, root) if not a.startswith("distill.max_steps")]
+    sweep = draftsmith("run", "-m", *args[1:], "distill.max_steps=1,6", cwd=tmp_path)
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    rows = registry_rows(root)
+    assert len(rows) == 2
+    champion = [r for r in rows if r["champion"] == "yes"]
+    assert len(champion) == 1 and float(champion[0]["tau"]) == max(float(r["tau"]) for r in rows)
+    # rollback and promote move the alias; rollback needs something to roll back to
+    from draftsmith.pipeline.registry import RegistryError, promote, rollback
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    other = next(r["version"] for r in rows if r["champion"] != "yes")
+    promote(uri, "draftsmith-draft", other)
+    assert rollback(uri, "draftsmith-draft") == champion[0]["version"]
+    with pytest.raises(RegistryError, match="no version 99"):
+        promote(uri, "draftsmith-draft", "99")
