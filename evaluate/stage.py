@@ -105,7 +105,9 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
             measured[("plain", t, 0)] = measure(plain, "plain", prompts, params, 0)
             progress.advance(task)
         for name in [*dirs, PROMPT_LOOKUP]:
-            engine = engine_of(load_model(dirs[name], dtype, device)) if name in dirs else plain
+            # a fresh engine per proposer: engines share the target, and each one's setup replaces the
+            # target's KV cache (and CUDA graphs captured on it), so an engine is never reused after another
+            engine = engine_of(load_model(dirs[name], dtype, device) if name in dirs else None)
             proposer = PromptLookup(target.args.vocab_size) if name == PROMPT_LOOKUP else None
             draft_ms[name] = cost.time_forward(engine.draft_forward, e.batch_size, 1, engine.device) if name in dirs else 0.0
             for t in temperatures:
