@@ -67,6 +67,6 @@ def choose_k(measured: dict[int, float], predicted: dict[int, float]) -> tuple[i
     k = max(sorted(speedups), key=lambda k: speedups[k])  # ties go to the smaller K
     why = f"K={k} has the best {source} speedup over plain decoding ({speedups[k]:.2f}x)"
     if speedups[k] < 1.0:
-        why += "; every K was slower than plain decoding on this device, so serve with speculation off " \
-               "unless the target runs where verification is cheaper (a GPU)"
+        why += "; every K was slower than plain decoding at this batch size and device: serve with speculation " \
+               "off there until the draft's acceptance is higher"
     return k, why
