@@ -3,8 +3,8 @@ T > 0, through the engine's speculative loop; the cost model and the choice of K
 
 Proposers: the shipped draft (W4A16 when quantized), the bf16 distilled draft, the initial draft
 before distillation, a hard-label-trained draft when the sweep has one, and prompt lookup.
-The gates are checked after the stage, cached or not: a failed gate fails the job (and so blocks
-publishing) unless publish.override_gates=true.
+The gates are judged after the stage, cached or not, against the configured thresholds: a failed gate
+fails the job (and so blocks publishing) unless publish.override_gates=true.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Any, Mapping
 
 from draftsmith.distill.data import load_prompts
 from draftsmith.evaluate import cost, report as reports
+from draftsmith.evaluate.report import rows_of
 from draftsmith.evaluate.acceptance import Measurement, measure
-from draftsmith.pipeline.config import DraftsmithConfig
+from draftsmith.pipeline.config import DraftsmithConfig, EvaluateConfig
 from draftsmith.pipeline.stage import Stage, StageOutput, read_record
 from draftsmith.pipeline.target import load_reference
 from draftsmith.quantize.stage import draft_dir_of
@@ -56,13 +57,16 @@ def draft_dirs(inputs: Mapping[str, StageOutput]) -> dict[str, Path]:
     return dirs
 
 
-def gates(cfg: DraftsmithConfig, measured: dict[tuple[str, float, int], Measurement], shipped: str, k: int) -> dict:
-    e = cfg.evaluate
-    alpha = measured[(shipped, 0.0, k)].stats.acceptance_rate
+def gates(e: EvaluateConfig, report: dict) -> dict:
+    """The gates on a report, against the configured thresholds (which are not part of the measurement,
+    so changing them re-runs no evaluation): alpha of the shipped draft and, when it is quantized,
+    its tau loss against bf16, both at the chosen K and T = 0."""
+    shipped, k = report["shipped"], report["num_speculative_tokens"]
+    alpha = rows_of(report, shipped, 0.0)[k]["alpha"]
     result: dict[str, Any] = {"min_alpha": {"threshold": e.min_alpha, "value": alpha, "passed": alpha >= e.min_alpha,
                                             "what": f"acceptance rate of {shipped} at K={k}, T=0"}}
     if shipped == "w4a16":
-        bf16, w4 = measured[("bf16", 0.0, k)].stats.tau, measured[("w4a16", 0.0, k)].stats.tau
+        bf16, w4 = rows_of(report, "bf16", 0.0)[k]["tau"], rows_of(report, "w4a16", 0.0)[k]["tau"]
         loss = (bf16 - w4) / bf16
         result["max_tau_loss"] = {"threshold": e.max_tau_loss, "value": loss, "passed": loss <= e.max_tau_loss,
                                   "what": f"relative tau loss of the W4A16 draft against bf16 at K={k}, T=0"}
@@ -70,6 +74,12 @@ def gates(cfg: DraftsmithConfig, measured: dict[tuple[str, float, int], Measurem
         result["max_tau_loss"] = {"threshold": e.max_tau_loss, "value": None, "passed": True, "what": "no quantized draft"}
     result["passed"] = all(g["passed"] for g in result.values())
     return result
+
+
+def with_gates(cfg: DraftsmithConfig, evaluation: StageOutput) -> dict:
+    """The evaluate stage's eval.json with the gates judged against cfg's thresholds."""
+    report = json.loads((evaluation.path / "eval.json").read_text())
+    return {**report, "gates": gates(cfg.evaluate, report)}
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
@@ -127,7 +137,6 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     predicted = {name: {k: cost.predicted_speedup(measured[(name, 0.0, 1)].stats.acceptance_rate, k, costs[name]) for k in ks}
                  for name in names}
     k, why = cost.choose_k(measured_speedup[shipped], predicted[shipped])
-    gate = gates(cfg, measured, shipped, k)
     data = inputs["data"]
     report = {
         "format_version": 1, "device": device, "dtype": str(dtype).removeprefix("torch."),
@@ -141,7 +150,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
                                     "tokens_per_s": round(m.tokens_per_s, 2)} for m in measured.values()],
                   "measured_speedup": {name: {str(k): round(v, 4) for k, v in s.items()} for name, s in measured_speedup.items()},
                   "predicted_speedup": {name: {str(k): round(v, 4) for k, v in s.items()} for name, s in predicted.items()}},
-        "num_speculative_tokens": k, "why": why, "gates": gate,
+        "num_speculative_tokens": k, "why": why,
     }
     reports.write_all(report, out)
     tau5 = {name: measured[(name, 0.0, 5)].stats.tau for name in names if 5 in ks}
@@ -149,11 +158,11 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     return {"num_speculative_tokens": k, "alpha": chosen.acceptance_rate, "tau": chosen.tau, "shipped": shipped,
             **{f"tau_k5_{name}": v for name, v in tau5.items()},
             "tau_k5_distilled_over_initial": tau5["bf16"] / tau5["initial"] if tau5 else None,
-            "measured_speedup": measured_speedup[shipped][k], "gates_passed": gate["passed"]}
+            "measured_speedup": measured_speedup[shipped][k]}
 
 
 def check_gates(cfg: DraftsmithConfig, output: StageOutput) -> None:
-    gate = json.loads((output.path / "eval.json").read_text())["gates"]
+    gate = with_gates(cfg, output)["gates"]
     failed = [f"{name} ({g['what']}: {g['value']:.4f} against {g['threshold']})" for name, g in gate.items()
               if isinstance(g, dict) and not g["passed"]]
     if failed and not cfg.publish.override_gates:
@@ -162,5 +171,7 @@ def check_gates(cfg: DraftsmithConfig, output: StageOutput) -> None:
                          "or publish anyway with publish.override_gates=true")
 
 
-STAGE = Stage(name="evaluate", config_keys=("evaluate",), inputs=("target", "data", "distill", "quantize"), run=run,
+MEASUREMENT_KEYS = tuple(f"evaluate.{key}" for key in ("num_prompts", "batch_size", "max_new_tokens", "max_speculative_tokens",
+                                                      "temperature", "seed"))
+STAGE = Stage(name="evaluate", config_keys=MEASUREMENT_KEYS, inputs=("target", "data", "distill", "quantize"), run=run,
               check=check_gates, artifacts=("eval.json", "eval.md", *reports.PLOTS))

@@ -96,6 +96,33 @@ def bench_decode(
         write_results(rows, out, " ".join(sys.argv), device, {"target": target, "draft": str(draft)})
 
 
+@app.command()
+def serve(
+    source: str = typer.Argument(..., help="a bundle dir, or models:/<name>@champion from the MLflow registry"),
+    host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
+    device: str = typer.Option("auto", help="auto, cpu or cuda"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float16 on a GPU (float32 on CPU)"),
+    max_model_len: int = typer.Option(2048, help="prompt plus new tokens, at most"),
+    api_key: str = typer.Option(None, help="require 'Authorization: Bearer <key>' on /v1/*"),
+    tracking_uri: str = typer.Option(None, help="MLflow URI for models:/ sources; default: $MLFLOW_TRACKING_URI or runs/demo"),
+) -> None:
+    """Serve a bundle over an OpenAI-compatible HTTP API, speculative with the bundle's K (verified first)."""
+    import os
+
+    import uvicorn
+
+    from draftsmith.pipeline.bundle import BundleError
+    from draftsmith.serve.server import BundleSourceError, create_app, load_server, resolve_bundle
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('runs/demo/mlflow.db').resolve()}"
+    try:
+        server = load_server(resolve_bundle(source, uri), device, dtype, max_model_len)
+    except (BundleError, BundleSourceError) as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    uvicorn.run(create_app(server, api_key), host=host, port=port)
+
+
 bundle_app = typer.Typer(help="Published bundles.", no_args_is_help=True)
 app.add_typer(bundle_app, name="bundle")
 

@@ -15,6 +15,7 @@ from draftsmith.pipeline import bundle as bundles
 from draftsmith.pipeline.config import DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
+from draftsmith.evaluate.report import PLOTS
 from draftsmith.quantize.stage import draft_dir_of
 
 BUNDLE_DIR = "bundle"
@@ -49,7 +50,7 @@ def vllm_command(bundle: Path, target: str, k: int, max_model_len: int) -> str:
 
 
 def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: dict, quantize: dict, target: str) -> str:
-    from draftsmith.evaluate.report import PLOTS, markdown
+    from draftsmith.evaluate.report import markdown
 
     k = report["num_speculative_tokens"]
     quantized = quantize.get("scheme", "not quantized (bf16)")
@@ -78,8 +79,10 @@ def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: di
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
+    from draftsmith.evaluate.stage import with_gates
+
     evaluation = inputs["evaluate"]
-    report = json.loads((evaluation.path / "eval.json").read_text())
+    report = with_gates(cfg, evaluation)
     if not report["gates"]["passed"] and not cfg.publish.override_gates:
         raise ValueError("the evaluation gates failed; publish.override_gates=true publishes anyway")
     reference = load_reference(inputs["target"])
@@ -103,7 +106,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     max_model_len = min(cfg.serve.max_model_len, draft_len, reference.get("max_position_embeddings") or draft_len)
     (bundle / "serve.sh").write_text(serve_script(target, k, max_model_len))
     (bundle / "serve.sh").chmod(0o755)
-    for name in ("eval.json", "eval.md", "acceptance_by_position.png", "tau_vs_k.png", "speedup.png"):
+    (bundle / "eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    for name in PLOTS:
         shutil.copy2(evaluation.path / name, bundle / name)
     (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,
                                                  inputs["quantize"].metrics, reference["path"]))
@@ -115,5 +119,5 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
             "gates_overridden": not report["gates"]["passed"]}
 
 
-STAGE = Stage(name="publish", config_keys=("publish", "serve.max_model_len"),
+STAGE = Stage(name="publish", config_keys=("publish", "serve.max_model_len", "evaluate.min_alpha", "evaluate.max_tau_loss"),
               inputs=("target", "distill", "quantize", "evaluate"), run=run)

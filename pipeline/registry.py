@@ -87,7 +87,9 @@ def register(bundle: Path, name: str, uri: str, experiment: str, tags: dict[str,
 
 
 def version_tags(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput]) -> dict[str, str]:
-    report = json.loads((inputs["evaluate"].path / "eval.json").read_text())
+    from draftsmith.pipeline.publish import bundle_of
+
+    report = json.loads((bundle_of(inputs["publish"]) / "eval.json").read_text())  # with the gates it was published under
     split = report["eval_split"]
     return {"target_fingerprint": inputs["target"].fingerprint, "alpha": f"{inputs['evaluate'].metrics['alpha']:.6f}",
             "tau": f"{inputs['evaluate'].metrics['tau']:.6f}", "k": str(report["num_speculative_tokens"]),

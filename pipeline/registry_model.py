@@ -34,5 +34,6 @@ class BundleModel(mlflow.pyfunc.PythonModel):
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             completion = self.engine.generate([ids], sampling, self.k).completions[0]
-            texts.append(completion.text)
+            texts.append(completion.text if completion.text is not None
+                         else self.tokenizer.decode(completion.tokens, skip_special_tokens=True))
         return texts

@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -151,9 +151,11 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 num_speculative_tokens: int = 0, proposer: Proposer | None = None) -> Generation:
+                 num_speculative_tokens: int = 0, proposer: Proposer | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> Generation:
         """Generate for each prompt; K = num_speculative_tokens (0: plain decoding with the target),
-        proposed by `proposer` (default: the draft model)."""
+        proposed by `proposer` (default: the draft model). on_tokens(row, tokens) hears each row's
+        tokens as they are kept, for streaming."""
         k = num_speculative_tokens
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         proposer = proposer or self.draft_proposer
@@ -168,8 +170,11 @@ class Engine:
         state, first_logits = self._prefill(prompts, rows, generator)
         first = state.pending.tolist()
         for i, stop in enumerate(stops):
-            if stop.append([first[i]]) and logprobs[i] is not None:
-                logprobs[i].append(first_logits[i].float().log_softmax(-1)[first[i]].item())
+            if stop.append([first[i]]):
+                if logprobs[i] is not None:
+                    logprobs[i].append(first_logits[i].float().log_softmax(-1)[first[i]].item())
+                if on_tokens:
+                    on_tokens(i, [first[i]])
         active_rows = [stop.finish_reason is None for stop in stops]
         active = torch.tensor(active_rows, device=self.device)
         generation = Generation(completions=[])
@@ -180,7 +185,7 @@ class Engine:
             else:
                 out = plain_step(self.target_forward, state, rows, generator)
             generation.target_steps += 1
-            self._emit(out, active_rows, stops, logprobs, generation.stats, k)
+            self._emit(out, active_rows, stops, logprobs, generation.stats, k, on_tokens)
             state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
             still = [a and stop.finish_reason is None for a, stop in zip(active_rows, stops)]
             if still != active_rows:
@@ -193,7 +198,8 @@ class Engine:
         return generation
 
     def _emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
-              logprobs: list[list[float] | None], stats: SpecStats, k: int) -> None:
+              logprobs: list[list[float] | None], stats: SpecStats, k: int,
+              on_tokens: Callable[[int, list[int]], None] | None) -> None:
         step = torch.cat([out.num_accepted.unsqueeze(1), out.tokens], dim=1).tolist()  # the step's one sync
         num_accepted, tokens = [row[0] for row in step], [row[1:] for row in step]
         wanted = [i for i, lp in enumerate(logprobs) if lp is not None and active_rows[i]]
@@ -207,3 +213,5 @@ class Engine:
             kept = stop.append(tokens[i][: num_accepted[i] + 1])
             if token_logprobs is not None and logprobs[i] is not None:
                 logprobs[i].extend(token_logprobs[i][:kept])
+            if on_tokens and kept:
+                on_tokens(i, tokens[i][:kept])

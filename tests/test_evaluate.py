@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from draftsmith.evaluate.acceptance import Measurement
 from draftsmith.evaluate.stage import gates
 from draftsmith.evaluate.cost import StepCosts, choose_k, expected_tokens, predicted_speedup
 from draftsmith.serve.stats import SpecStats
@@ -50,25 +49,24 @@ def test_k_choice_prefers_measurements_and_says_why():
     assert choose_k({1: 1.2, 2: 1.2}, {})[0] == 1  # a tie goes to the smaller K
 
 
-def synthetic(name: str, k: int, accepted: list[int]) -> Measurement:
-    stats = SpecStats()
-    stats.record(k, accepted)
-    return Measurement(name, 0.0, k, stats, tokens=0, seconds=1.0, target_steps=len(accepted))
+def report(shipped: str, k: int, **taus_alphas) -> dict:
+    rows = [{"proposer": name, "temperature": 0.0, "k": k, "alpha": alpha, "tau": tau}
+            for name, (alpha, tau) in taus_alphas.items()]
+    return {"shipped": shipped, "num_speculative_tokens": k, "acceptance": rows}
 
 
 def test_gates_on_alpha_and_on_the_w4a16_tau_loss():
-    cfg = SimpleNamespace(evaluate=SimpleNamespace(min_alpha=0.55, max_tau_loss=0.03))
-    measured = {("w4a16", 0.0, 2): synthetic("w4a16", 2, [2, 1, 0, 2]),  # alpha 5/8, tau 9/4
-                ("bf16", 0.0, 2): synthetic("bf16", 2, [2, 2, 0, 2])}  # alpha 6/8, tau 10/4
-    result = gates(cfg, measured, "w4a16", 2)
+    thresholds = SimpleNamespace(min_alpha=0.55, max_tau_loss=0.03)
+    quantized = report("w4a16", 2, w4a16=(0.625, 2.25), bf16=(0.75, 2.5))
+    result = gates(thresholds, quantized)
     assert result["min_alpha"]["value"] == pytest.approx(0.625) and result["min_alpha"]["passed"]
     assert result["max_tau_loss"]["value"] == pytest.approx(0.1) and not result["max_tau_loss"]["passed"]
     assert not result["passed"]
-    cfg.evaluate.min_alpha = 0.7
-    only_bf16 = gates(cfg, {("bf16", 0.0, 2): measured[("bf16", 0.0, 2)]}, "bf16", 2)
-    assert only_bf16["min_alpha"]["passed"] and only_bf16["max_tau_loss"]["value"] is None and only_bf16["passed"]
-    cfg.evaluate.min_alpha = 0.8
-    assert not gates(cfg, {("bf16", 0.0, 2): measured[("bf16", 0.0, 2)]}, "bf16", 2)["passed"]
+    assert gates(SimpleNamespace(min_alpha=0.55, max_tau_loss=0.1), quantized)["passed"]
+    only_bf16 = report("bf16", 2, bf16=(0.75, 2.5))
+    passed = gates(SimpleNamespace(min_alpha=0.7, max_tau_loss=0.03), only_bf16)
+    assert passed["passed"] and passed["max_tau_loss"]["value"] is None
+    assert not gates(SimpleNamespace(min_alpha=0.8, max_tau_loss=0.03), only_bf16)["passed"]
 
 
 def run(*args, cwd):
@@ -132,10 +130,14 @@ def test_eval_json_is_reproducible(evaluated):
 
 def test_a_failed_gate_fails_the_job_and_an_override_lets_it_through(evaluated):
     tmp, args, _ = evaluated
+    published = lambda: len([p for p in (tmp / "runs" / "publish").iterdir() if not p.name.startswith(".")])
+    before = published()
     strict = [a for a in args if not a.startswith("evaluate.min_alpha")] + ["evaluate.min_alpha=0.999"]
     failed = run(*strict, cwd=tmp)
     assert failed.returncode == 1
     assert "evaluation gate failed: min_alpha" in failed.stdout and "publish.override_gates=true" in failed.stdout
-    assert not (tmp / "runs" / "publish").exists()
+    assert "│ evaluate │ cached" not in failed.stdout  # no summary: the job stopped at the gate
+    assert published() == before  # the thresholds are the publish stage's: nothing new was published
     overridden = run(*strict, "publish.override_gates=true", cwd=tmp)
     assert overridden.returncode == 0, overridden.stdout[-2000:]
+    assert published() == before + 1 and "gates_overridden=True" in overridden.stdout
