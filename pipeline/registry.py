@@ -59,8 +59,8 @@ def champion_of(mlflow_client, name: str):
 def set_champion(mlflow_client, name: str, version: str) -> None:
     """Point `champion` at `version`, remembering the version it replaces for rollback."""
     previous = champion_of(mlflow_client, name)
-    if previous is not None and previous.version != str(version):
-        mlflow_client.set_model_version_tag(name, str(version), "draftsmith.replaced", previous.version)
+    if previous is not None and str(previous.version) != str(version):
+        mlflow_client.set_model_version_tag(name, str(version), "draftsmith.replaced", str(previous.version))
     mlflow_client.set_registered_model_alias(name, CHAMPION, str(version))
 
 
@@ -120,7 +120,7 @@ def list_versions(uri: str, name: str) -> list[dict[str, str]]:
     champion = champion_of(mlflow_client, name)
     rows = []
     for v in sorted(mlflow_client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
-        rows.append({"version": v.version, "champion": "yes" if champion and champion.version == v.version else "",
+        rows.append({"version": str(v.version), "champion": "yes" if champion and str(champion.version) == str(v.version) else "",
                      **{k: v.tags.get(k, "") for k in ("tau", "alpha", "k", "quantization", "gates_passed")},
                      "reason": v.tags.get("draftsmith.promotion", "")})
     return rows
@@ -128,7 +128,7 @@ def list_versions(uri: str, name: str) -> list[dict[str, str]]:
 
 def promote(uri: str, name: str, version: str) -> None:
     mlflow_client = client(uri)
-    if not any(v.version == str(version) for v in mlflow_client.search_model_versions(f"name = '{name}'")):
+    if not any(str(v.version) == str(version) for v in mlflow_client.search_model_versions(f"name = '{name}'")):
         raise RegistryError(f"{name} has no version {version} (`draftsmith registry list` shows them)")
     set_champion(mlflow_client, name, str(version))
 
@@ -143,5 +143,5 @@ def rollback(uri: str, name: str) -> str:
     if not previous:
         raise RegistryError(f"{name}'s champion (version {champion.version}) replaced no earlier champion")
     mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
-    mlflow_client.set_model_version_tag(name, champion.version, "draftsmith.rolled_back", "true")
+    mlflow_client.set_model_version_tag(name, str(champion.version), "draftsmith.rolled_back", "true")
     return previous

@@ -153,3 +153,24 @@ def test_a_sweep_registers_each_job_and_the_best_becomes_champion(tiny_chat_targ
     assert rollback(uri, "draftsmith-draft") == champion[0]["version"]
     with pytest.raises(RegistryError, match="no version 99"):
         promote(uri, "draftsmith-draft", "99")
+    listed = draftsmith("registry", "list", "--uri", uri, cwd=tmp_path)
+    assert listed.returncode == 0 and listed.stdout.count("yes") == 1
+
+
+def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
+    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.server import BundleSourceError, load_server, resolve_bundle
+
+    tmp, bundle, _ = published
+    from_registry = resolve_bundle("models:/draftsmith-draft@champion", f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+    assert verify(from_registry) == verify(bundle)
+    server = load_server(from_registry, device="cpu", dtype="bfloat16", max_model_len=128)
+    assert server.k == json.loads((bundle / "speculative_config.json").read_text())["num_speculative_tokens"]
+    assert server.engine.draft is not None
+    server.engine.generate([server.tokenizer.encode("hello")], SamplingParams(max_new_tokens=3), server.k)
+    with pytest.raises(BundleSourceError, match="no such bundle dir"):
+        resolve_bundle(str(tmp / "nowhere"))
+    broken = shutil.copytree(bundle, tmp / "broken-bundle")
+    (broken / "draft" / "tokenizer.json").unlink()
+    with pytest.raises(BundleError, match="missing file"):
+        load_server(broken, device="cpu", dtype="bfloat16", max_model_len=128)
