@@ -19,8 +19,7 @@ class CompressedFormatError(ValueError):
 
 def unpack_int32(packed: Tensor, bits: int, count: int) -> Tensor:
     """[rows, words] int32 -> [rows, count] signed integers (the stored value minus 2^(bits-1))."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # [per_word]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # [32 / bits] values per word
     values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, words, per_word]
     values = values.reshape(packed.shape[0], -1)[:, :count]
     return values - (1 << (bits - 1))
