@@ -44,12 +44,6 @@ def time_forward(forward: Forward, batch_size: int, num_tokens: int, device: tor
     return sorted(times)[len(times) // 2]
 
 
-def measure_costs(target: Forward, draft: Forward | None, batch_size: int, max_k: int, device: torch.device) -> StepCosts:
-    return StepCosts(batch_size=batch_size, target_ms=time_forward(target, batch_size, 1, device),
-                     draft_ms=time_forward(draft, batch_size, 1, device) if draft is not None else 0.0,
-                     verify_ms={k: time_forward(target, batch_size, k + 1, device) for k in range(1, max_k + 1)})
-
-
 def expected_tokens(alpha: float, k: int) -> float:
     """Mean tokens a step of K drafts emits when each draft is kept with probability alpha."""
     return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)

@@ -102,19 +102,19 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
                                      eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir))
     temperatures = [0.0, e.temperature]
     ks = range(1, e.max_speculative_tokens + 1)
+    names = [*dirs, PROMPT_LOOKUP]
     measured: dict[tuple[str, float, int], Measurement] = {}
     draft_ms: dict[str, float] = {}
     plain = engine_of(None)
     target_ms = cost.time_forward(plain.target_forward, e.batch_size, 1, plain.device)
     verify_ms = {k: cost.time_forward(plain.target_forward, e.batch_size, k + 1, plain.device) for k in ks}
-    runs = [(name, t, k) for name in [*dirs, PROMPT_LOOKUP] for t in temperatures for k in ks]
     with Progress() as progress:
-        task = progress.add_task("evaluate", total=len(runs) + len(temperatures))
+        task = progress.add_task("evaluate", total=(len(names) * len(ks) + 1) * len(temperatures))
         for t in temperatures:
             params = SamplingParams(temperature=t, seed=e.seed, max_new_tokens=e.max_new_tokens)
             measured[("plain", t, 0)] = measure(plain, "plain", prompts, params, 0)
             progress.advance(task)
-        for name in [*dirs, PROMPT_LOOKUP]:
+        for name in names:
             # a fresh engine per proposer: engines share the target, and each one's setup replaces the
             # target's KV cache (and CUDA graphs captured on it), so an engine is never reused after another
             engine = engine_of(load_model(dirs[name], dtype, device) if name in dirs else None)
@@ -130,7 +130,6 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-    names = [*dirs, PROMPT_LOOKUP]
     costs = {name: cost.StepCosts(e.batch_size, target_ms, draft_ms[name], verify_ms) for name in names}
     plain_rate = measured[("plain", 0.0, 0)].tokens_per_s
     measured_speedup = {name: {k: measured[(name, 0.0, k)].tokens_per_s / plain_rate for k in ks} for name in names}

@@ -6,7 +6,6 @@ acceptance test itself. Only the draft, whose errors cost acceptance and never c
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from importlib import metadata
 from pathlib import Path
@@ -28,11 +27,10 @@ def check_bits(bits: int) -> None:
         raise QuantizeError(f"quantize.bits={bits}: supported are {SUPPORTED_BITS} (W4A16 and W8A16)")
 
 
-def _weights_digest(model_dir: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(model_dir.glob("*.safetensors")):
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
+def _weights_digest(model_dir: Path) -> list[str]:
+    from draftsmith.pipeline.target import sha256_file
+
+    return [sha256_file(file) for file in sorted(model_dir.glob("*.safetensors"))]
 
 
 def refuse_target(model_dir: Path, target_dir: Path) -> None:
