@@ -75,6 +75,12 @@ def in_eval_split(key: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+def heldout_messages(path: str = "demo", prompt_field: str = "prompt", fraction: float = 0.1, seed: int = 0) -> list[list[dict]]:
+    """The chat messages of the records the data stage puts in the held-out split (same defaults)."""
+    chats = [to_messages(r, prompt_field) for r in read_records(path)]
+    return [m for m in chats if m and in_eval_split(json.dumps(m, sort_keys=True), fraction, seed)]
+
+
 def prepare(cfg: DataConfig, target_dir: Path) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 

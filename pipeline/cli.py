@@ -96,6 +96,41 @@ def bench_decode(
         write_results(rows, out, " ".join(sys.argv), device, {"target": target, "draft": str(draft)})
 
 
+@bench.command("serve")
+def bench_serve_command(
+    url: str = typer.Option("http://127.0.0.1:8000", help="a running draftsmith serve or vllm serve"),
+    concurrency: list[int] = typer.Option([1, 4, 16, 64], "--concurrency", help="client counts to measure (repeatable)"),
+    max_tokens: int = typer.Option(256, help="max_tokens per request (greedy)"),
+    duration: float = typer.Option(30.0, help="seconds of load per concurrency level"),
+    prompts: str = typer.Option("demo", help="a .jsonl of prompts (field 'prompt' or 'messages'); 'demo': the held-out demo prompts"),
+    api_key: str = typer.Option(None, help="sent as 'Authorization: Bearer <key>'"),
+    out: Path = typer.Option(None, help="write the rows as JSON here"),
+) -> None:
+    """Load a server with streaming chat clients: throughput and TTFT / TPOT p50 and p99 per concurrency."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from draftsmith.distill.data import heldout_messages, read_records, to_messages
+    from draftsmith.evaluate.bench_serve import bench_serve
+
+    chats = heldout_messages() if prompts == "demo" else [m for m in (to_messages(r, "prompt") for r in read_records(prompts)) if m]
+    rows = bench_serve(url, chats, concurrency, max_tokens, duration, api_key)
+    table = Table(title=f"bench serve: {url}, {max_tokens} max tokens, greedy, {duration:g} s per level")
+    columns = ("concurrency", "requests", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*(str(row[c]) for c in columns))
+    Console().print(table)
+    if out:
+        out.write_text(json.dumps({"command": " ".join(sys.argv), "url": url, "rows": rows}, indent=2))
+    if any(row["errors"] for row in rows):
+        typer.echo(f"errors: {next(row['first_error'] for row in rows if row['errors'])}", err=True)
+        raise typer.Exit(1)
+
+
 @app.command()
 def serve(
     source: str = typer.Argument(..., help="a bundle dir, or models:/<name>@champion from the MLflow registry"),
@@ -103,6 +138,10 @@ def serve(
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float16 on a GPU (float32 on CPU)"),
     max_model_len: int = typer.Option(2048, help="prompt plus new tokens, at most"),
+    max_batch_size: int = typer.Option(16, help="requests in the running batch at once; more wait for a free row"),
+    adaptive_k: bool = typer.Option(True, help="choose K per step from each request's acceptance and the measured "
+                                               "step costs (0 where speculation would slow the batch); off: the bundle's K"),
+    smooth_stream: int = typer.Option(0, help="stream accepted tokens in groups of this many, evenly paced (0: as they come)"),
     api_key: str = typer.Option(None, help="require 'Authorization: Bearer <key>' on /v1/*"),
     tracking_uri: str = typer.Option(None, help="MLflow URI for models:/ sources; default: $MLFLOW_TRACKING_URI or runs/demo"),
 ) -> None:
@@ -116,7 +155,7 @@ def serve(
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('runs/demo/mlflow.db').resolve()}"
     try:
-        server = load_server(resolve_bundle(source, uri), device, dtype, max_model_len)
+        server = load_server(resolve_bundle(source, uri), device, dtype, max_model_len, max_batch_size, adaptive_k, smooth_stream)
     except (BundleError, BundleSourceError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None

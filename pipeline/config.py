@@ -97,6 +97,7 @@ class DistillConfig:
     max_grad_norm: float = MISSING
     eval_every: int = MISSING
     max_seq_len: int = MISSING
+    freeze_embeddings: bool = False  # keep the target's embedding table and LM head as they are
 
 
 @dataclass

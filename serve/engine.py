@@ -135,16 +135,19 @@ class Engine:
                                   f"+ {k + 1} speculative slots exceed max_seq_len {self.max_seq_len}")
 
     @torch.inference_mode()
-    def _prefill(self, prompts: Sequence[Sequence[int]], rows: RowSampling, generator) -> tuple[DecodeState, Tensor]:
+    def prefill(self, prompts: Sequence[Sequence[int]], rows: RowSampling, generator,
+                cache_rows: Tensor | None = None) -> tuple[DecodeState, Tensor]:
+        """Both models read the prompts into their caches (rows 0..B-1, or `cache_rows`); the state holds
+        each row's first token, drawn from the target's last logits [B, V] (returned too)."""
         B, longest = len(prompts), max(len(p) for p in prompts)
         tokens = torch.zeros(B, longest, dtype=torch.long, device=self.device)
         for i, prompt in enumerate(prompts):
             tokens[i, : len(prompt)] = torch.tensor(prompt, device=self.device)
         positions = torch.arange(longest, device=self.device).expand(B, longest)  # padding lands past each length
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        last = self.target(tokens, positions, logits_at=(lengths - 1).unsqueeze(1))[:, 0]  # [B, V]
+        last = self.target(tokens, positions, logits_at=(lengths - 1).unsqueeze(1), cache_rows=cache_rows)[:, 0]  # [B, V]
         if self.draft is not None:
-            self.draft(tokens, positions)
+            self.draft(tokens, positions, cache_rows=cache_rows)
         first = sample(probabilities(last.unsqueeze(1), rows), generator).squeeze(1)  # [B]
         previous = tokens.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
         return DecodeState(lengths=lengths, pending=first, previous=previous), last
@@ -167,7 +170,7 @@ class Engine:
         stops = [StopChecker(p, self.eos_token_ids, self.detokenize) for p in params]
         logprobs: list[list[float] | None] = [[] if p.logprobs else None for p in params]
 
-        state, first_logits = self._prefill(prompts, rows, generator)
+        state, first_logits = self.prefill(prompts, rows, generator)
         first = state.pending.tolist()
         for i, stop in enumerate(stops):
             if stop.append([first[i]]):
@@ -199,7 +202,9 @@ class Engine:
 
     def _emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
               logprobs: list[list[float] | None], stats: SpecStats, k: int,
-              on_tokens: Callable[[int, list[int]], None] | None) -> None:
+              on_tokens: Callable[[int, list[int]], None] | None) -> list[int]:
+        """Hand each active row its kept tokens (stops, logprobs, on_tokens) and count the step;
+        returns each row's accepted draft count."""
         step = torch.cat([out.num_accepted.unsqueeze(1), out.tokens], dim=1).tolist()  # the step's one sync
         num_accepted, tokens = [row[0] for row in step], [row[1:] for row in step]
         wanted = [i for i, lp in enumerate(logprobs) if lp is not None and active_rows[i]]
@@ -215,3 +220,4 @@ class Engine:
                 logprobs[i].extend(token_logprobs[i][:kept])
             if on_tokens and kept:
                 on_tokens(i, tokens[i][:kept])
+        return num_accepted

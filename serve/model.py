@@ -127,12 +127,14 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # rows, slots: [B, T]; k, v: [B, T, H_kv, D]
+    def update(self, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor, read: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # rows, slots: [B, T]; k, v: [B, T, H_kv, D]; read [B]: the rows to attend over (None: 0..B-1)
         self.k[rows, :, slots] = k
         self.v[rows, :, slots] = v
-        B = rows.shape[0]
-        return self.k[:B], self.v[:B]
+        if read is None:
+            B = rows.shape[0]
+            return self.k[:B], self.v[:B]
+        return self.k[read], self.v[read]
 
 
 class Attention(nn.Module):
@@ -144,7 +146,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
         self.cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
+                read: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape
         a = self.args
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -155,7 +158,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         assert self.cache is not None, "call Transformer.setup_cache first"
-        keys, values = self.cache.update(rows, slots, k, v)  # [B, H_kv, S, D]
+        keys, values = self.cache.update(rows, slots, k, v, read)  # [B, H_kv, S, D]
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                            enable_gqa=a.num_heads != a.num_kv_heads)  # [B, H, T, D]
         return self.wo(y.transpose(1, 2).reshape(B, T, q_out))
@@ -181,8 +184,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, rows, slots)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
+                read: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, rows, slots, read)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -223,13 +227,17 @@ class Transformer(nn.Module):
         self.register_buffer("slot_ids", torch.arange(slots, device=weight.device), persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def forward(self, tokens: Tensor, positions: Tensor, fused: bool = False, logits_at: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, fused: bool = False, logits_at: Tensor | None = None,
+                cache_rows: Tensor | None = None) -> Tensor:
         # tokens, positions: [B, T] with B <= max_batch_size; positions past max_seq_len are padding.
         # fused: run the compiled blocks (fixed decode shapes only: each new shape compiles again).
         # logits_at [B, T']: indices into T whose logits are wanted (prefill needs only the last one)
+        # cache_rows [B]: the KV cache rows of the B sequences (None: rows 0..B-1); the scheduler
+        # prefills a joining request into its own row this way
         B, T = tokens.shape
         slots = positions.clamp(max=self.max_seq_len)  # padding writes land in the spare slot
-        rows = torch.arange(B, device=tokens.device).unsqueeze(1).expand(B, T)
+        row_ids = torch.arange(B, device=tokens.device) if cache_rows is None else cache_rows
+        rows = row_ids.unsqueeze(1).expand(B, T)
         cos = self.rope_cos[slots].unsqueeze(2)  # [B, T, 1, D]
         sin = self.rope_sin[slots].unsqueeze(2)
         mask = (self.slot_ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1))  # [B, 1, T, S]
@@ -237,11 +245,12 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # [B, T, hidden]
         run = self.fused_block if fused and self.fused_block is not None else _run_block
         for layer in self.layers:
-            x = run(layer, x, cos, sin, mask, rows, slots)
+            x = run(layer, x, cos, sin, mask, rows, slots, cache_rows)
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, T', hidden]
         return self.output(self.norm(x))  # [B, T or T', V]
 
 
-def _run_block(layer: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
-    return layer(x, cos, sin, mask, rows, slots)
+def _run_block(layer: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
+               read: Tensor | None = None) -> Tensor:
+    return layer(x, cos, sin, mask, rows, slots, read)

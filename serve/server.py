@@ -2,30 +2,29 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (the target's chat template), both with SSE
 streaming in OpenAI's chunk format; /v1/models, /health, /ready, /metrics (Prometheus; the spec-decode
-counters of DESIGN.md under vLLM's names with our prefix). Requests run one at a time on one worker
-thread, each as a batch of one (no continuous batching yet). Bad input gets a 4xx with an
-OpenAI-style error body and the server keeps serving.
+counters of DESIGN.md under vLLM's names with our prefix). Requests are continuously batched by
+serve.scheduler on one engine thread; K adapts per step (see there). Bad input gets a 4xx with an
+OpenAI-style error body and the server keeps serving; a client that goes away frees its row.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from draftsmith.serve.engine import Engine, EngineError
+from draftsmith.serve.engine import Completion, Engine, EngineError
 from draftsmith.serve.sampling import SamplingError, SamplingParams
+from draftsmith.serve.scheduler import Request as EngineRequest, Scheduler
 
 PREFIX = "draftsmith:"
 
@@ -53,8 +52,8 @@ def resolve_bundle(source: str, tracking_uri: str | None = None) -> Path:
     return path
 
 
-class Cancelled(Exception):
-    """The streaming client went away: the engine stops at its next step and frees the slot."""
+class StreamOptions(BaseModel):
+    include_usage: bool = False
 
 
 class Sampling(BaseModel):
@@ -62,14 +61,15 @@ class Sampling(BaseModel):
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = None  # accepted, not honoured per request: a continuous batch shares one RNG
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None  # include_usage: a last chunk with the token counts
 
     def params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                              max_new_tokens=self.max_tokens, stop=tuple(stop))
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_tokens,
+                              stop=tuple(stop))
 
 
 class CompletionRequest(Sampling):
@@ -100,8 +100,12 @@ class Metrics:
         self.draft_tokens = spec("num_draft_tokens", "tokens proposed by the draft")
         self.accepted = spec("num_accepted_tokens", "draft tokens the target accepted")
         self.accepted_per_pos = spec("num_accepted_tokens_per_pos", "accepted draft tokens by position", "position")
-        self.running = Gauge(f"{PREFIX}num_requests_running", "requests being generated", registry=self.registry)
-        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "requests queued", registry=self.registry)
+        self.running = Gauge(f"{PREFIX}num_requests_running", "requests in the running batch", registry=self.registry)
+        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "requests queued for a free row", registry=self.registry)
+        tokens = lambda name, doc: Counter(f"{PREFIX}{name}", doc, registry=self.registry)
+        self.prompt_tokens = tokens("prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = tokens("generation_tokens", "tokens generated for finished requests")
+        self.k = Gauge(f"{PREFIX}spec_decode_num_speculative_tokens", "K of the latest step (0: plain)", registry=self.registry)
         hist = lambda name, doc: Histogram(f"{PREFIX}{name}", doc, registry=self.registry,
                                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.ttft = hist("time_to_first_token_seconds", "time to first token")
@@ -110,17 +114,42 @@ class Metrics:
 
 
 class Server:
-    def __init__(self, engine: Engine, tokenizer, model_name: str, num_speculative_tokens: int, max_model_len: int):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.k, self.max_model_len = num_speculative_tokens, max_model_len
+    def __init__(self, engine: Engine, tokenizer, model_name: str, num_speculative_tokens: int, max_model_len: int,
+                 adaptive_k: bool = True, smooth_stream: int = 0):
+        self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
+        self.k, self.smooth_stream = num_speculative_tokens, smooth_stream
         self.metrics = Metrics()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.scheduler = Scheduler(engine, num_speculative_tokens, adaptive=adaptive_k, on_step=self._count)
+        self.metrics.running.set_function(lambda: self.scheduler.num_running)
+        self.metrics.waiting.set_function(lambda: self.scheduler.num_waiting)
         self.ready = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def warm_up(self) -> None:
-        """Load-time work before /ready: one short generation (captures the decode graphs on a GPU)."""
-        self.engine.generate([self.tokenizer.encode("Hello")], SamplingParams(max_new_tokens=2), self.k)
-        self.ready = True
+    def start(self) -> None:
+        """The engine thread: warm-up (step costs, CUDA graphs), then /ready, then the batch loop."""
+        def run() -> None:
+            self.scheduler.warm_up()
+            self.ready = True
+            self.scheduler.serve_forever(self._stop)
+
+        self._thread = threading.Thread(target=run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _count(self, k: int, accepted: list[int]) -> None:
+        """Spec counters of one step (on the engine thread)."""
+        m = self.metrics
+        m.k.set(k)
+        m.drafts.inc(len(accepted))
+        m.draft_tokens.inc(k * len(accepted))
+        m.accepted.inc(sum(accepted))
+        for position in range(k):
+            m.accepted_per_pos.labels(position=str(position)).inc(sum(a > position for a in accepted))
 
     def prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
         if isinstance(request, ChatRequest):
@@ -128,21 +157,14 @@ class Server:
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return self.tokenizer.encode(request.prompt)
 
-    def generate(self, ids: list[int], params: SamplingParams, on_tokens=None):
-        """On the engine's thread: one request; spec counters go to /metrics."""
-        self.metrics.waiting.dec()
-        self.metrics.running.inc()
-        try:
-            generation = self.engine.generate([ids], params, self.k, on_tokens=on_tokens)
-        finally:
-            self.metrics.running.dec()
-        stats = generation.stats
-        self.metrics.drafts.inc(stats.num_drafts)
-        self.metrics.draft_tokens.inc(stats.num_draft_tokens)
-        self.metrics.accepted.inc(stats.num_accepted_tokens)
-        for position, accepted in enumerate(stats.accepted_per_position):
-            self.metrics.accepted_per_pos.labels(position=str(position)).inc(accepted)
-        return generation.completions[0]
+    def submit(self, ids: list[int], params: SamplingParams) -> tuple[EngineRequest, asyncio.Queue]:
+        """Queue a request on the scheduler; its tokens lists and then its Completion (or exception)
+        arrive on the returned asyncio queue. EngineError for a request the engine cannot take."""
+        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+        put = lambda item: loop.call_soon_threadsafe(updates.put_nowait, item)
+        request = EngineRequest(ids, params, on_tokens=put, on_done=lambda result: put(("done", result)))
+        self.scheduler.submit(request)
+        return request, updates
 
     def text_of(self, completion) -> str:
         return completion.text if completion.text is not None else self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
@@ -151,8 +173,9 @@ class Server:
 def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.worker.submit(server.warm_up)  # on the engine's thread: requests wait behind it; /ready tells
+        server.start()  # warm-up runs on the engine thread; /ready tells when it is done
         yield
+        server.stop()
 
     app = FastAPI(title="draftsmith", lifespan=lifespan)
 
@@ -199,75 +222,89 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         started = time.perf_counter()
-        server.metrics.waiting.inc()
-        if request.stream:
-            return StreamingResponse(stream(ids, params, rid, created, kind, chat, started), media_type="text/event-stream")
         try:
-            completion = await asyncio.get_running_loop().run_in_executor(server.worker, server.generate, ids, params)
+            engine_request, updates = server.submit(ids, params)
         except EngineError as e:
             return error(400, str(e))
-        server.metrics.e2e.observe(time.perf_counter() - started)
-        text = server.text_of(completion)
+        if request.stream:
+            usage = request.stream_options is not None and request.stream_options.include_usage
+            return StreamingResponse(stream(engine_request, updates, rid, created, kind, chat, started, usage),
+                                     media_type="text/event-stream")
+        try:
+            while not isinstance(item := await updates.get(), tuple):
+                pass  # tokens: only the completion matters here
+        finally:
+            engine_request.cancelled.set()  # no-op once done; frees the row if this handler was cancelled
+        result = item[1]
+        if isinstance(result, BaseException):
+            return error(500, f"generation failed: {result}")
+        observe(result, started, None)
+        text = server.text_of(result)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text})
-        usage = {"prompt_tokens": len(ids), "completion_tokens": len(completion.tokens),
-                 "total_tokens": len(ids) + len(completion.tokens)}
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(result.tokens),
+                 "total_tokens": len(ids) + len(result.tokens)}
         return {"id": rid, "object": kind, "created": created, "model": server.model_name,
-                "choices": [{**choice, "finish_reason": completion.finish_reason, "logprobs": None}], "usage": usage}
+                "choices": [{**choice, "finish_reason": result.finish_reason, "logprobs": None}], "usage": usage}
 
-    async def stream(ids, params, rid, created, kind, chat, started) -> Iterator[str]:
-        """SSE chunks as tokens are kept; a client that goes away stops the generation at its next step."""
-        updates: queue.Queue = queue.Queue()
-        cancelled = threading.Event()
+    def observe(completion: Completion, started: float, first_at: float | None) -> None:
+        now = time.perf_counter()
+        server.metrics.e2e.observe(now - started)
+        server.metrics.prompt_tokens.inc(len(completion.prompt_tokens))
+        server.metrics.generation_tokens.inc(len(completion.tokens))
+        if first_at is not None and len(completion.tokens) > 1:
+            server.metrics.tpot.observe((now - first_at) / (len(completion.tokens) - 1))
 
-        def on_tokens(row: int, tokens: list[int]) -> None:
-            if cancelled.is_set():
-                raise Cancelled
-            updates.put(tokens)
-
-        def work():
-            try:
-                updates.put(("done", server.generate(ids, params, on_tokens)))
-            except BaseException as e:  # noqa: BLE001 - reported to the client as an error chunk
-                updates.put(("error", e))
-
-        future = asyncio.get_running_loop().run_in_executor(server.worker, work)
+    async def stream(engine_request: EngineRequest, updates: asyncio.Queue, rid, created, kind, chat,
+                     started, include_usage: bool) -> AsyncIterator[str]:
+        """SSE chunks as tokens are kept (in groups of `smooth_stream`, evenly paced, when set); a client
+        that goes away frees its row at the scheduler's next step."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        chunk = lambda delta, finish=None: "data: " + json.dumps({
-            "id": rid, "object": chunk_kind, "created": created, "model": server.model_name,
-            "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
-                         **({"delta": delta} if chat else {"text": delta.get("content", "")})}]}) + "\n\n"
+        event = lambda body: "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
+                                                    "model": server.model_name, **body}) + "\n\n"
+        chunk = lambda delta, finish=None: event({"choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
+                                                               **({"delta": delta} if chat else {"text": delta.get("content", "")})}]})
         tokens: list[int] = []
         sent = ""
-        first, first_at = True, started
+        first_at: float | None = None
+        last_burst, step_s = started, 0.0  # a moving average of the time between bursts: the pacing budget
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
             while True:
-                item = await asyncio.get_running_loop().run_in_executor(None, updates.get)
+                item = await updates.get()
                 if isinstance(item, tuple):
-                    status, value = item
-                    if status == "error":
-                        yield "data: " + json.dumps({"error": {"message": str(value), "type": "server_error"}}) + "\n\n"
+                    result = item[1]
+                    if isinstance(result, BaseException):
+                        yield "data: " + json.dumps({"error": {"message": str(result), "type": "server_error"}}) + "\n\n"
                         break
-                    final = server.text_of(value)
-                    yield chunk({"content": final[len(sent):]} if final.startswith(sent) else {}, value.finish_reason)
-                    server.metrics.e2e.observe(time.perf_counter() - started)
-                    if len(value.tokens) > 1:
-                        server.metrics.tpot.observe((time.perf_counter() - first_at) / (len(value.tokens) - 1))
+                    final = server.text_of(result)
+                    yield chunk({"content": final[len(sent):]} if final.startswith(sent) else {}, result.finish_reason)
+                    observe(result, started, first_at)
+                    if include_usage:
+                        prompt_tokens = len(engine_request.prompt)
+                        yield event({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.tokens),
+                                                              "total_tokens": prompt_tokens + len(result.tokens)}})
                     break
-                if first:
-                    first_at = time.perf_counter()
-                    server.metrics.ttft.observe(first_at - started)
-                    first = False
-                tokens += item
-                text = server.tokenizer.decode(tokens, skip_special_tokens=True)
-                if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
-                    yield chunk({"content": text[len(sent):]})
-                    sent = text
+                now = time.perf_counter()
+                if first_at is None:
+                    first_at = now
+                    server.metrics.ttft.observe(now - started)
+                else:
+                    step_s = 0.7 * step_s + 0.3 * (now - last_burst) if step_s else now - last_burst
+                last_burst = now
+                group = server.smooth_stream or len(item)
+                groups = [item[i:i + group] for i in range(0, len(item), group)]
+                for j, part in enumerate(groups):
+                    if j and updates.empty():  # pace the burst over the expected step time, never behind
+                        await asyncio.sleep(step_s / len(groups))
+                    tokens += part
+                    text = server.tokenizer.decode(tokens, skip_special_tokens=True)
+                    if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
+                        yield chunk({"content": text[len(sent):]})
+                        sent = text
             yield "data: [DONE]\n\n"
         finally:
-            cancelled.set()
-            await future
+            engine_request.cancelled.set()
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest):
@@ -280,7 +317,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def load_server(bundle: Path, device: str, dtype: str, max_model_len: int) -> Server:
+def load_server(bundle: Path, device: str, dtype: str, max_model_len: int, max_batch_size: int = 16,
+                adaptive_k: bool = True, smooth_stream: int = 0) -> Server:
     """Verify the bundle (the same checks as `draftsmith bundle verify`), then load target and draft."""
     from transformers import AutoTokenizer
 
@@ -291,7 +329,9 @@ def load_server(bundle: Path, device: str, dtype: str, max_model_len: int) -> Se
     target_dir = target_dir_of(bundle)
     device = pick_device(device)
     engine = Engine.load(target_dir, bundle / spec["model"], dtype=dtype if device != "cpu" else "float32",
-                         device=device, max_seq_len=max_model_len + spec["num_speculative_tokens"] + 1)
+                         device=device, max_batch_size=max_batch_size,
+                         max_seq_len=max_model_len + spec["num_speculative_tokens"] + 1)
     reference = bundle / TARGET_JSON
     name = json.loads(reference.read_text())["name_or_path"] if reference.is_file() else target_dir.name
-    return Server(engine, AutoTokenizer.from_pretrained(target_dir), str(name), spec["num_speculative_tokens"], max_model_len)
+    return Server(engine, AutoTokenizer.from_pretrained(target_dir), str(name), spec["num_speculative_tokens"],
+                  max_model_len, adaptive_k, smooth_stream)

@@ -1,5 +1,10 @@
 """The HTTP server on CPU with a tiny chat target and draft: the official openai client completes and
-streams, bad input gets a 4xx with an OpenAI-style body and the server keeps serving, metrics count."""
+streams, bad input gets a 4xx with an OpenAI-style body and the server keeps serving, metrics count,
+64 streaming clients for a minute end without an error, the alert rules and dashboard query metrics
+the server exports, and stream smoothing spreads bursts."""
+import asyncio
+import json
+import re
 import socket
 import threading
 import time
@@ -10,6 +15,8 @@ import torch
 
 from draftsmith.distill.draft import copy_tokenizer_files
 from draftsmith.serve.engine import Engine
+from draftsmith.distill.data import heldout_messages
+from draftsmith.evaluate.bench_serve import run_level
 from draftsmith.serve.server import Server, create_app
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_truncated_draft
@@ -30,8 +37,8 @@ def base_url(tiny_chat_target, tmp_path_factory):
 
     draft = save_truncated_draft(tiny_chat_target, tmp_path_factory.mktemp("srv") / "draft", keep_layers=1)
     copy_tokenizer_files(tiny_chat_target, draft)
-    engine = Engine(load_model(tiny_chat_target, torch.float32), load_model(draft, torch.float32), max_seq_len=256,
-                    eos_token_ids=frozenset({2}))
+    engine = Engine(load_model(tiny_chat_target, torch.float32), load_model(draft, torch.float32), max_batch_size=16,
+                    max_seq_len=256, eos_token_ids=frozenset({2}))
     server = Server(engine, AutoTokenizer.from_pretrained(tiny_chat_target), "tiny", num_speculative_tokens=3,
                     max_model_len=200)
     port = free_port()
@@ -100,3 +107,60 @@ def test_api_key_health_and_metrics(base_url):
     assert drafts and drafts[0] > 0
     assert "draftsmith:spec_decode_num_accepted_tokens_per_pos_total" in metrics
     assert "draftsmith:e2e_request_latency_seconds_count" in metrics
+
+
+def test_64_streaming_clients_for_a_minute_all_complete(base_url):
+    # bench serve's own load generator: every request must end with [DONE] and its usage chunk
+    row = asyncio.run(run_level(base_url, "tiny", heldout_messages()[:32], concurrency=64, max_tokens=24,
+                                duration=60.0, api_key=API_KEY))
+    assert row["errors"] == 0, row["first_error"]
+    assert row["requests"] >= 64 and row["output_tokens"] > 0
+    assert httpx.get(f"{base_url}/ready").status_code == 200  # and it still serves
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert re.search(r"^draftsmith:num_requests_running 0\.0$", metrics, re.M)  # every row was freed
+
+
+def test_alert_rules_and_dashboard_query_metrics_the_server_exports(base_url):
+    import yaml
+    from importlib import resources
+
+    client(base_url).completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
+    exported = set(re.findall(r"^(draftsmith:[a-z_:]+)", httpx.get(f"{base_url}/metrics").text, re.M))
+    folder = resources.files("draftsmith.serve") / "monitoring"
+    rules = yaml.safe_load((folder / "alerts.yml").read_text())["groups"][0]["rules"]
+    dashboard = json.loads((folder / "grafana_dashboard.json").read_text())
+    exprs = [r["expr"] for r in rules] + [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert any("0.55" in r["expr"] and r["for"] == "5m" for r in rules)  # the acceptance alert
+    for expr in exprs:
+        for name in re.findall(r"draftsmith:[a-z_:]+", expr):
+            assert name in exported, f"{name} is queried but not exported"
+
+
+def test_stream_smoothing_sends_bursts_in_small_groups(tiny_chat_target):
+    # the target as its own draft: every step keeps K + 1 = 4 tokens, one burst per step unsmoothed
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
+
+    async def chunks(smooth: int) -> list[str]:
+        model = load_model(tiny_chat_target, torch.float32)
+        engine = Engine(model, load_model(tiny_chat_target, torch.float32), max_batch_size=2, max_seq_len=128)
+        server = Server(engine, tokenizer, "tiny", num_speculative_tokens=3, max_model_len=100, adaptive_k=False,
+                        smooth_stream=smooth)
+        server.start()
+        while not server.ready:
+            await asyncio.sleep(0.05)
+        body = {"prompt": "Card declined abroad", "max_tokens": 40, "temperature": 0, "stream": True}
+        pieces = []
+        transport = httpx.ASGITransport(app=create_app(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        pieces.append(json.loads(line[6:])["choices"][0]["text"])
+        server.stop()
+        return [p for p in pieces if p]
+
+    bursts, smooth = asyncio.run(chunks(0)), asyncio.run(chunks(1))
+    assert "".join(bursts) == "".join(smooth)
+    assert len(smooth) > 2 * len(bursts)

@@ -1,0 +1,100 @@
+"""`draftsmith bench serve`: a load generator against a running OpenAI-compatible server (ours or vLLM).
+
+At each concurrency level, that many clients (asyncio + httpx) stream chat completions back to back,
+cycling through the prompts, for `duration` seconds; a request still running at the end is waited
+for and counted. Reported per level: requests, errors, output tokens/s over the level's wall time,
+and time to first token and time per output token (p50, p99). Output tokens come from the final
+usage chunk (`stream_options.include_usage`), which both servers send.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class Sample:
+    ttft: float | None = None
+    tpot: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+async def stream_one(client, url: str, model: str, messages: list[dict], max_tokens: int, headers: dict) -> Sample:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    sample, first_at, done = Sample(), None, False
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                return Sample(error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                done = done or line == "data: [DONE]"
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    return Sample(error=str(chunk["error"]))
+                if chunk.get("usage"):
+                    sample.tokens = chunk["usage"]["completion_tokens"]
+                if first_at is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    first_at = time.perf_counter()
+                    sample.ttft = first_at - started
+    except Exception as e:  # noqa: BLE001 - a failed request is a counted error, not a crashed benchmark
+        return Sample(error=f"{type(e).__name__}: {e}")
+    if not done:
+        return Sample(error="the stream ended without [DONE]")
+    if first_at is not None and sample.tokens > 1:
+        sample.tpot = (time.perf_counter() - first_at) / (sample.tokens - 1)
+    return sample
+
+
+async def run_level(url: str, model: str, prompts: Sequence[list[dict]], concurrency: int, max_tokens: int,
+                    duration: float, api_key: str | None) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    samples: list[Sample] = []
+    deadline = time.perf_counter() + duration
+    started = time.perf_counter()
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def worker(w: int) -> None:
+            i = w
+            while time.perf_counter() < deadline:
+                samples.append(await stream_one(client, url, model, prompts[i % len(prompts)], max_tokens, headers))
+                i += concurrency
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    wall = time.perf_counter() - started
+    ok = [s for s in samples if s.error is None]
+    pct = lambda values, q: round(float(np.percentile(values, q)) * 1000, 2) if values else None
+    ttft, tpot = [s.ttft for s in ok if s.ttft is not None], [s.tpot for s in ok if s.tpot is not None]
+    return {"concurrency": concurrency, "requests": len(samples), "errors": len(samples) - len(ok),
+            "first_error": next((s.error for s in samples if s.error), None),
+            "output_tokens": sum(s.tokens for s in ok), "seconds": round(wall, 2),
+            "tokens_per_s": round(sum(s.tokens for s in ok) / wall, 1),
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99)}
+
+
+def model_of(url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
+def bench_serve(url: str, prompts: Sequence[list[dict]], concurrencies: Sequence[int] = (1, 4, 16, 64), max_tokens: int = 256,
+                duration: float = 30.0, api_key: str | None = None, model: str | None = None) -> list[dict]:
+    """One row per concurrency level (see the module docstring)."""
+    if not prompts:
+        raise ValueError("no prompts to send")
+    url = url.rstrip("/")
+    model = model or model_of(url, api_key)
+    return [asyncio.run(run_level(url, model, prompts, c, max_tokens, duration, api_key)) for c in concurrencies]

@@ -1,0 +1,218 @@
+"""Continuous batching: requests join free rows of the engine's batch between steps and leave when done.
+
+Each step runs the occupied rows (the prefix up to the highest busy row, rounded up to a power of two
+so that CUDA graphs are captured for a few shapes only), speculative or plain. With adaptive K the
+step's K is the one with the most expected tokens per second, from each running request's own
+acceptance (a moving average of what the target accepted of its drafts) and the step costs measured
+at warm-up for that batch size; K = 0 (plain decoding) when no K beats it, with a probe every
+`PROBE_EVERY` plain steps so that a request's acceptance can recover. Every step is the engine's own
+speculative or plain step, so output stays exactly the target's.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from draftsmith.evaluate.cost import expected_tokens, time_forward
+from draftsmith.serve.engine import Completion, Engine, EngineError
+from draftsmith.serve.sampling import RowSampling, SamplingParams
+from draftsmith.serve.speculative import DecodeState, fed_tokens, plain_step, speculative_step
+from draftsmith.serve.stats import SpecStats
+from draftsmith.serve.stops import StopChecker
+
+PROBE_EVERY = 16  # plain steps between speculative probes when adaptive K has turned speculation off
+SMOOTHING = 0.2  # weight of the newest step in a request's acceptance average
+IDLE = SamplingParams()  # what an empty row of the batch "samples" with (greedy; its output is dropped)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    on_tokens: Callable[[list[int]], None] = lambda tokens: None  # kept tokens, in order, as they come
+    on_done: Callable[["Completion | BaseException"], None] = lambda result: None
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set by a client that went away
+    submitted: float = field(default_factory=time.perf_counter)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass
+class Running:
+    request: Request
+    stop: StopChecker
+    alpha: float  # moving average of the fraction of its drafts the target accepted
+
+
+@dataclass
+class StepCostTable:
+    """Milliseconds per forward on this device, by batch size: the target over T tokens, the draft over 1."""
+    target_ms: dict[tuple[int, int], float]
+    draft_ms: dict[int, float]
+
+    def best_k(self, batch: int, alphas: list[float], max_k: int) -> int:
+        """The K (0..max_k) with the most expected tokens per millisecond for these rows."""
+        rate = lambda k: sum(expected_tokens(a, k) for a in alphas) / (k * self.draft_ms[batch] + self.target_ms[(batch, k + 1)])
+        return max(range(max_k + 1), key=rate)  # ties go to the smaller K
+
+
+def bucket(n: int, limit: int) -> int:
+    """The batch size a step of n busy rows runs at: the next power of two, at most `limit`."""
+    size = 1
+    while size < n:
+        size *= 2
+    return min(size, limit)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, num_speculative_tokens: int, adaptive: bool = True, prior_alpha: float = 0.5,
+                 seed: int | None = None, on_step: Callable[[int, list[int]], None] = lambda k, accepted: None):
+        if num_speculative_tokens > 0 and engine.draft_proposer is None:
+            raise EngineError("num_speculative_tokens > 0 needs an engine with a draft model")
+        self.engine, self.max_k, self.adaptive, self.prior_alpha = engine, num_speculative_tokens, adaptive, prior_alpha
+        self.on_step = on_step  # (K, accepted drafts per speculating row) after every step: metrics
+        self.generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
+        size = engine.max_batch_size
+        self.rows: list[Running | None] = [None] * size
+        zeros = lambda: torch.zeros(size, dtype=torch.long, device=engine.device)
+        self.state = DecodeState(lengths=zeros() + 1, pending=zeros(), previous=zeros())  # empty rows: 1 token in
+        self.waiting: deque[Request] = deque()
+        self.costs: StepCostTable | None = None
+        self.plain_steps = 0
+        self.wake = threading.Condition()
+        self._sampling: tuple[tuple, RowSampling] | None = None
+
+    # -- the caller's side (any thread) -----------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue a request; EngineError (too long, ids outside the vocabulary) is raised here, at once."""
+        self.engine._check([request.prompt], [request.params], self.max_k, self.engine.draft_proposer)
+        with self.wake:
+            self.waiting.append(request)
+            self.wake.notify()
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the engine's thread ----------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Time the target over 1..K+1 tokens and the draft over 1 at every batch bucket (on a GPU this
+        also captures each shape's CUDA graph), before any request is admitted."""
+        e = self.engine
+        buckets = sorted({bucket(n, e.max_batch_size) for n in range(1, e.max_batch_size + 1)})
+        target = {(b, t): time_forward(e.target_forward, b, t, e.device, repeats=3) for b in buckets for t in range(1, self.max_k + 2)}
+        draft = {b: time_forward(e.draft_forward, b, 1, e.device, repeats=3) if e.draft_forward else 0.0 for b in buckets}
+        if e.draft_forward and self.max_k > 0:
+            for b in buckets:  # the draft's first forward of a step reads 2 tokens: capture that shape too
+                time_forward(e.draft_forward, b, 2, e.device, repeats=1)
+        self.costs = StepCostTable(target, draft)
+
+    def serve_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            with self.wake:
+                if not self.waiting and not self.num_running:
+                    self.wake.wait(timeout=0.1)
+                    continue
+            self.step()
+
+    def drain(self) -> None:
+        """Step until every submitted request has finished (tests, batch use)."""
+        while self.waiting or self.num_running:
+            self.step()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        self._retire_cancelled()
+        self._admit()
+        busy = [i for i, r in enumerate(self.rows) if r is not None]
+        if not busy:
+            return
+        n = bucket(busy[-1] + 1, self.engine.max_batch_size)
+        running = self.rows[:n]
+        k = self._choose_k(n, [r.alpha for r in running if r is not None])
+        rows = self._row_sampling(running)
+        state = DecodeState(self.state.lengths[:n], self.state.pending[:n], self.state.previous[:n])
+        if k > 0:
+            proposer = self.engine.draft_proposer
+            out = speculative_step(self.engine.target_forward, proposer, state, k, rows, self.generator, self.engine.verify)
+        else:
+            out = plain_step(self.engine.target_forward, state, rows, self.generator)
+        active_rows = [r is not None for r in running]
+        stops = [r.stop if r is not None else None for r in running]
+        step_stats = SpecStats()
+        deliver = lambda i, tokens: running[i].request.on_tokens(tokens)
+        accepted = self.engine._emit(out, active_rows, stops, [None] * n, step_stats, k, deliver)
+        active = torch.tensor(active_rows, device=self.engine.device)
+        state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
+        self.state.lengths[:n], self.state.pending[:n], self.state.previous[:n] = state.lengths, state.pending, state.previous
+        if k > 0:
+            self.plain_steps = 0
+            for r, a in zip(running, accepted):
+                if r is not None:
+                    r.request.stats.record(k, [a])
+                    r.alpha = (1 - SMOOTHING) * r.alpha + SMOOTHING * a / k
+            self.on_step(k, [a for r, a in zip(running, accepted) if r is not None])
+        else:
+            self.plain_steps += 1
+        for i, r in enumerate(running):
+            if r is not None and r.stop.finish_reason is not None:
+                self._finish(i)
+
+    def _choose_k(self, n: int, alphas: list[float]) -> int:
+        if self.max_k == 0 or not self.adaptive or self.costs is None:
+            return self.max_k
+        k = self.costs.best_k(n, alphas, self.max_k)
+        if k == 0 and self.plain_steps + 1 >= PROBE_EVERY:
+            return 1  # a probe: one draft token, to refresh the acceptance averages
+        return k
+
+    def _row_sampling(self, running: list[Running | None]) -> RowSampling:
+        params = tuple(r.request.params if r is not None else IDLE for r in running)
+        if self._sampling is None or self._sampling[0] != params:
+            self._sampling = (params, RowSampling.of(list(params), self.engine.device))
+        return self._sampling[1]
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free rows (lowest first) until the batch is full."""
+        while True:
+            with self.wake:
+                free = [i for i, r in enumerate(self.rows) if r is None]
+                if not self.waiting or not free:
+                    return
+                request = self.waiting.popleft()
+            if request.cancelled.is_set():
+                continue
+            row = free[0]
+            try:
+                stop = StopChecker(request.params, self.engine.eos_token_ids, self.engine.detokenize)
+                sampling = RowSampling.of([request.params], self.engine.device)
+                cache_row = torch.tensor([row], device=self.engine.device)
+                state, _ = self.engine.prefill([request.prompt], sampling, self.generator, cache_rows=cache_row)
+            except Exception as e:  # noqa: BLE001 - the request fails, the batch goes on
+                request.on_done(e)
+                continue
+            first = state.pending.tolist()
+            if stop.append(first):
+                request.on_tokens(first)
+            self.state.lengths[row], self.state.pending[row], self.state.previous[row] = state.lengths[0], state.pending[0], state.previous[0]
+            self.rows[row] = Running(request, stop, self.prior_alpha)
+            if stop.finish_reason is not None:
+                self._finish(row)
+
+    def _retire_cancelled(self) -> None:
+        for i, r in enumerate(self.rows):
+            if r is not None and r.request.cancelled.is_set():
+                self.rows[i] = None  # the client went away: free the row, tell no one
+
+    def _finish(self, row: int) -> None:
+        r = self.rows[row]
+        self.rows[row] = None
+        r.request.on_done(Completion(r.request.prompt, r.stop.tokens, r.stop.finish_reason or "length", r.stop.text))

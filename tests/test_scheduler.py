@@ -1,0 +1,127 @@
+"""Continuous batching stays lossless: requests that join and leave the running batch between steps get
+the target's greedy output token for token and its sampling distribution; adaptive K follows the
+cost model; a cancelled request frees its row."""
+import numpy as np
+import pytest
+import torch
+
+from draftsmith.serve.engine import Engine, EngineError
+from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.scheduler import Request, Scheduler, StepCostTable, bucket
+from draftsmith.serve.weights import load_model
+from tests.conftest import save_tiny_model
+from tests.test_sampling import PROMPT, VOCAB, chi_square_p, exact_joint, small_vocab_models  # noqa: F401
+from tests.test_speculative import random_prompts
+
+
+def engine_of(target_dir, draft_dir, batch: int, max_seq_len: int = 64) -> Engine:
+    # float64: the check is of the algorithm, not of float rounding between batch shapes
+    return Engine(load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64),
+                  max_batch_size=batch, max_seq_len=max_seq_len)
+
+
+def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple[list, list[int]]:
+    """Submit the prompts (one more every `join_every` steps, all at once when 0), step until done;
+    returns the completions in prompt order and the K of every speculative step."""
+    results: dict[int, object] = {}
+    ks: list[int] = []
+    scheduler.on_step = lambda k, accepted: ks.append(k)
+    requests = [Request(list(p), params, on_done=lambda r, i=i: results.__setitem__(i, r)) for i, p in enumerate(prompts)]
+    pending = list(requests)
+    while pending or scheduler.num_running or scheduler.num_waiting:
+        for _ in range(len(pending) if not join_every else 1):
+            if pending:
+                scheduler.submit(pending.pop(0))
+        for _ in range(max(1, join_every)):
+            scheduler.step()
+    return [results[i] for i in range(len(prompts))], ks
+
+
+@pytest.mark.parametrize("join_every", [0, 1, 3])
+def test_requests_joining_a_running_batch_get_the_targets_greedy_output(tiny_models, join_every):
+    target_dir, draft_dir = tiny_models["smollm2"]
+    prompts = random_prompts(24, 97, seed=5)
+    lengths = [4 + (i * 7) % 13 for i in range(len(prompts))]  # rows finish at different steps
+    alone = engine_of(target_dir, draft_dir, 1)
+    expected = [alone.generate([p], SamplingParams(max_new_tokens=n)).completions[0].tokens for p, n in zip(prompts, lengths)]
+    scheduler = Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=3, adaptive=False)
+    results: dict[int, list[int]] = {}
+    pending = [Request(p, SamplingParams(max_new_tokens=n), on_done=lambda r, i=i: results.__setitem__(i, r.tokens))
+               for i, (p, n) in enumerate(zip(prompts, lengths))]
+    while pending or scheduler.num_running or scheduler.num_waiting:
+        for _ in range(len(pending) if not join_every else 1):
+            if pending:
+                scheduler.submit(pending.pop(0))
+        for _ in range(max(1, join_every)):
+            scheduler.step()
+    assert [results[i] for i in range(len(prompts))] == expected
+
+
+def test_adaptive_k_speculates_with_a_good_draft_and_stops_with_a_useless_one(tiny_models, tmp_path):
+    target_dir, _ = tiny_models["llama"]
+    prompts = random_prompts(8, 97, seed=2)
+    params = SamplingParams(max_new_tokens=24)
+    costs = StepCostTable(target_ms={(b, t): 10.0 + t for b in (1, 2, 4) for t in range(1, 6)}, draft_ms={1: 1.0, 2: 1.0, 4: 1.0})
+    expected = [c.tokens for c in engine_of(target_dir, target_dir, 4).generate(prompts[:4], params).completions]
+
+    same = Scheduler(engine_of(target_dir, target_dir, 4), num_speculative_tokens=4)  # the target as its own draft
+    same.costs = costs
+    completions, ks = collect(same, prompts[:4], params)
+    assert [c.tokens for c in completions] == expected
+    assert ks == sorted(ks) and ks[-1] == 4  # every draft accepted: K climbs from the prior to the largest
+
+    useless = save_tiny_model(tmp_path / "useless", "llama", seed=77, num_layers=1)
+    bad = Scheduler(engine_of(target_dir, useless, 4), num_speculative_tokens=4)
+    bad.costs = costs
+    plain_steps = []
+    bad_step = bad.step
+
+    def counting_step():
+        before = bad.plain_steps
+        bad_step()
+        plain_steps.append(bad.plain_steps > before)
+
+    bad.step = counting_step
+    completions, ks = collect(bad, prompts[:4], params)
+    assert [c.tokens for c in completions] == expected
+    assert sum(plain_steps) > len(plain_steps) / 2  # speculation turned off for most of the run
+    assert all(k == 1 for k in ks[5:])  # after the first steps, only the periodic one-token probes
+
+
+def test_best_k_follows_the_cost_model():
+    costs = StepCostTable(target_ms={(1, t): 10.0 + 2 * t for t in range(1, 10)}, draft_ms={1: 1.0})
+    assert costs.best_k(1, [0.0], 8) == 0  # nothing accepted: plain decoding is fastest
+    assert costs.best_k(1, [0.99], 8) == 8
+    middling = costs.best_k(1, [0.6], 8)
+    assert 1 <= middling < 8
+    expensive = StepCostTable(target_ms=costs.target_ms, draft_ms={1: 12.0})
+    assert expensive.best_k(1, [0.6], 8) == 0  # a draft step as dear as the target's never pays
+    assert [bucket(n, 12) for n in (1, 2, 3, 5, 9, 12)] == [1, 2, 4, 8, 12, 12]
+
+
+def test_sampling_under_continuous_batching_follows_the_target(small_vocab_models):  # noqa: F811
+    target_dir, draft_dir = small_vocab_models
+    joint = exact_joint(target_dir, 1.0, 1.0)
+    scheduler = Scheduler(engine_of(target_dir, draft_dir, 32, max_seq_len=12), num_speculative_tokens=2, adaptive=False, seed=7)
+    samples = 6000
+    completions, _ = collect(scheduler, [PROMPT] * samples, SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True), join_every=1)
+    tokens = np.array([c.tokens for c in completions])
+    assert tokens.shape == (samples, 3)
+    assert chi_square_p(tokens[:, 0] * VOCAB + tokens[:, 1], joint.sum(2)) > 1e-3
+    assert chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0)) > 1e-3
+
+
+def test_a_cancelled_request_frees_its_row_and_too_long_requests_are_refused(tiny_models):
+    target_dir, draft_dir = tiny_models["qwen2"]
+    scheduler = Scheduler(engine_of(target_dir, draft_dir, 2), num_speculative_tokens=2, adaptive=False)
+    done = []
+    request = Request([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True), on_done=done.append)
+    scheduler.submit(request)
+    for _ in range(3):
+        scheduler.step()
+    assert scheduler.num_running == 1 and len(done) == 0
+    request.cancelled.set()
+    scheduler.step()
+    assert scheduler.num_running == 0 and done == []
+    with pytest.raises(EngineError, match="exceed max_seq_len"):
+        scheduler.submit(Request([1] * 30, SamplingParams(max_new_tokens=40)))
