@@ -50,7 +50,9 @@ def bench_decode(
     target: str = typer.Option("demo", help="target: 'demo', an HF model dir or a .gguf file"),
     draft: Path = typer.Option(None, help="draft HF dir; default: the target's embeddings, head and --draft-layers of its layers"),
     draft_layers: int = typer.Option(4, help="layers of the default from-target draft"),
-    new_tokens: int = typer.Option(256, help="tokens generated per run (EOS ignored)"),
+    new_tokens: int = typer.Option(256, help="tokens generated per prompt (EOS ignored)"),
+    prompts: int = typer.Option(4, help="held-out demo prompts, run one after another at batch 1"),
+    batch: int = typer.Option(16, help="also measure continuous batching with this many requests at once (0: skip)"),
     k: list[int] = typer.Option([2, 4, 6], "--k", help="num_speculative_tokens to measure (repeatable)"),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
@@ -60,15 +62,17 @@ def bench_decode(
     out: Path = typer.Option(None, help="write the rows as JSON here"),
     cache_dir: str = typer.Option("~/.cache/draftsmith", help="where converted targets are kept"),
 ) -> None:
-    """Decode speed at batch 1, greedy: transformers generate, plain decode eager and with CUDA graphs, speculative."""
+    """Decode speed, greedy: at batch 1 transformers generate (and assisted), plain decode eager and with CUDA
+    graphs, speculative per K; then plain, adaptive and fixed-K speculative at --batch requests at once."""
     import tempfile
 
     import torch
     from rich.console import Console
     from rich.table import Table
 
+    from draftsmith.distill.data import heldout_messages
     from draftsmith.distill.draft import build_from_target, every_nth_layer
-    from draftsmith.evaluate.bench_decode import run_bench, write_results
+    from draftsmith.evaluate.bench_decode import chat_prompts, run_bench, write_results
     from draftsmith.pipeline.config import TargetConfig
     from draftsmith.pipeline.target import resolve_target_dir
     from draftsmith.serve.weights import read_config
@@ -79,17 +83,18 @@ def bench_decode(
         if draft is None:
             layers = every_nth_layer(read_config(target_dir)["num_hidden_layers"], draft_layers)
             draft = build_from_target(target_dir, Path(tmp) / "draft", layers)
-        rows = run_bench(target_dir, draft, new_tokens=new_tokens, ks=tuple(k), device=device, dtype=dtype,
-                         repeats=repeats, with_transformers=transformers_baseline, with_assisted=assisted)
+        ids = chat_prompts(target_dir, heldout_messages()[:prompts])
+        rows = run_bench(target_dir, draft, ids, new_tokens=new_tokens, ks=tuple(k), device=device, dtype=dtype,
+                         repeats=repeats, with_transformers=transformers_baseline, with_assisted=assisted, batch=batch)
     hf = next((r for r in rows if r.method == "transformers generate"), None)
-    plain = [r for r in rows if r.method.startswith("plain")][-1]  # with CUDA graphs where there are any
-    table = Table(title=f"bench decode: {target} on {device}, batch 1, {new_tokens} new tokens, greedy")
+    plain_of = lambda r: [p for p in rows if p.method.startswith("plain") and ("batch" in p.method) == ("batch" in r.method)][-1]
+    table = Table(title=f"bench decode: {target} on {device}, {prompts} held-out prompts x {new_tokens} new tokens, greedy")
     for column in ("method", "tok/s", "ms/step", "tau", "alpha", "x HF", "x plain", "=plain"):
         table.add_column(column, justify="right" if column != "method" else "left")
     for r in rows:
         table.add_row(r.method, f"{r.tokens_per_s:.1f}", f"{r.ms_per_target_step:.3f}",
                       f"{r.tau:.2f}" if r.tau else "", f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "",
-                      f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "", f"{r.tokens_per_s / plain.tokens_per_s:.2f}x",
+                      f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "", f"{r.tokens_per_s / plain_of(r).tokens_per_s:.2f}x",
                       {True: "yes", False: "no", None: ""}[r.matches_plain])
     Console().print(table)
     if out:

@@ -207,6 +207,10 @@ class Transformer(nn.Module):
     def compile_blocks(self) -> None:
         """Fuse each block's many small kernels with torch.compile. Every layer runs the same compiled
         code (one compile per input shape), so compiling costs seconds, not a whole-model trace."""
+        import torch._dynamo
+
+        # one compile per (batch, tokens) shape: continuous batching uses a few buckets x (K + 1) shapes
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         self.fused_block = torch.compile(_run_block, fullgraph=True, dynamic=False)
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:

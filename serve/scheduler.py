@@ -121,7 +121,16 @@ class Scheduler:
                 if not self.waiting and not self.num_running:
                     self.wake.wait(timeout=0.1)
                     continue
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving the next ones
+                self._fail_running(e)
+
+    def _fail_running(self, error: Exception) -> None:
+        for i, r in enumerate(self.rows):
+            if r is not None:
+                self.rows[i] = None
+                r.request.on_done(error)
 
     def drain(self) -> None:
         """Step until every submitted request has finished (tests, batch use)."""

@@ -59,6 +59,19 @@ def test_distillation_lowers_held_out_tvd_and_a_sweep_shares_the_teacher(tiny_ch
     assert len([p for p in (root / "distill").iterdir() if not p.name.startswith(".")]) == 3
     assert len(re.findall(r"│ cached +│", sweep.stdout)) == 6  # target, data, teacher in each of the two jobs
 
+    # freeze_embeddings: the layers learn, the (tied) embedding table and LM head stay the target's
+    run(args_for(tiny_chat_target, root, *online, "distill.freeze_embeddings=true"), tmp_path)
+    frozen = next(p for p in (root / "distill").iterdir() if not p.name.startswith(".") and str(p) != distill["path"]
+                  and json.loads((p / "stage.json").read_text())["config"]["distill"]["freeze_embeddings"])
+    from safetensors.torch import load_file
+
+    before, after = load_file(frozen / "initial" / "model.safetensors"), load_file(frozen / "draft" / "model.safetensors")
+    embed = "model.embed_tokens.weight"
+    assert (before[embed] == after[embed]).all()
+    assert not (before["model.layers.0.mlp.up_proj.weight"] == after["model.layers.0.mlp.up_proj.weight"]).all()
+    m = json.loads((frozen / "stage.json").read_text())["metrics"]
+    assert m["tvd_final"] < m["tvd_initial"], m
+
 
 def test_sigkill_then_rerun_resumes_and_ends_where_an_uninterrupted_run_ends(tiny_chat_target, tmp_path):
     settings = ("distill.max_steps=40", "distill.eval_every=5")
