@@ -17,12 +17,14 @@ def test_defaults_validate_to_typed_config():
     assert cfg.distill.loss is DistillLoss.tvd
     assert cfg.target.name_or_path == "demo"
     assert cfg.evaluate.min_alpha == 0.1 and cfg.evaluate.max_tau_loss == 0.03  # the demo's own alpha gate
-    assert cfg.distill.max_steps == 120 and cfg.distill.teacher.top_k_logits == 64  # preset=demo is the default
+    assert cfg.distill.max_steps == 200 and cfg.distill.teacher.top_k_logits == 64  # preset=demo is the default
+    assert cfg.distill.freeze_embeddings and cfg.data.max_prompts == 600
 
 
 def test_gpu_preset_changes_budgets():
     cfg = validate(composed("preset=gpu"))
     assert cfg.device.value == "cuda" and cfg.distill.max_steps == 1000 and cfg.distill.teacher.top_k_logits == 0
+    assert not cfg.distill.freeze_embeddings
     assert cfg.evaluate.min_alpha == 0.55  # the production alert threshold, outside the demo
 
 
