@@ -18,7 +18,7 @@ def args_for(target: Path, root: Path, *extra: str, multirun: bool = False) -> l
     return [DRAFTSMITH, "run", *(["-m"] if multirun else []), "experiment=t", "target=hf", f"target.name_or_path={target}", f"paths.root={root}",
             "tracking.enabled=false", "data.max_prompts=40", "data.eval_fraction=0.2", "distill.teacher.max_new_tokens=12",
             "distill.teacher.top_k_logits=16", "distill.batch_size=4", "draft.num_layers=1", "distill.warmup_steps=2",
-            "distill.learning_rate=3e-3", "stop_after=distill", *extra]
+            "distill.learning_rate=3e-3", "distill.freeze_embeddings=false", "stop_after=distill", *extra]
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -60,8 +60,9 @@ def test_distillation_lowers_held_out_tvd_and_a_sweep_shares_the_teacher(tiny_ch
     assert len(re.findall(r"│ cached +│", sweep.stdout)) == 6  # target, data, teacher in each of the two jobs
 
     # freeze_embeddings: the layers learn, the (tied) embedding table and LM head stay the target's
-    run(args_for(tiny_chat_target, root, *online, "distill.freeze_embeddings=true"), tmp_path)
-    frozen = next(p for p in (root / "distill").iterdir() if not p.name.startswith(".") and str(p) != distill["path"]
+    frozen_args = [a.replace("freeze_embeddings=false", "freeze_embeddings=true") for a in args_for(tiny_chat_target, root, *online)]
+    run(frozen_args, tmp_path)
+    frozen = next(p for p in (root / "distill").iterdir() if not p.name.startswith(".")
                   and json.loads((p / "stage.json").read_text())["config"]["distill"]["freeze_embeddings"])
     from safetensors.torch import load_file
 
