@@ -74,7 +74,7 @@ class Scheduler:
         if num_speculative_tokens > 0 and engine.draft_proposer is None:
             raise EngineError("num_speculative_tokens > 0 needs an engine with a draft model")
         self.engine, self.max_k, self.adaptive, self.prior_alpha = engine, num_speculative_tokens, adaptive, prior_alpha
-        self.on_step = on_step  # (K, accepted drafts per speculating row) after every step: metrics
+        self.on_step = on_step  # (K, accepted drafts per row; [] when K = 0) after every step: metrics
         self.generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
         size = engine.max_batch_size
         self.rows: list[Running | None] = [None] * size
@@ -168,9 +168,9 @@ class Scheduler:
                 if r is not None:
                     r.request.stats.record(k, [a])
                     r.alpha = (1 - SMOOTHING) * r.alpha + SMOOTHING * a / k
-            self.on_step(k, [a for r, a in zip(running, accepted) if r is not None])
         else:
             self.plain_steps += 1
+        self.on_step(k, [a for r, a in zip(running, accepted) if r is not None] if k > 0 else [])
         for i, r in enumerate(running):
             if r is not None and r.stop.finish_reason is not None:
                 self._finish(i)

@@ -22,10 +22,10 @@ def engine_of(target_dir, draft_dir, batch: int, max_seq_len: int = 64) -> Engin
 
 def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple[list, list[int]]:
     """Submit the prompts (one more every `join_every` steps, all at once when 0), step until done;
-    returns the completions in prompt order and the K of every speculative step."""
+    returns the completions in prompt order and the K of every speculative (K > 0) step."""
     results: dict[int, object] = {}
     ks: list[int] = []
-    scheduler.on_step = lambda k, accepted: ks.append(k)
+    scheduler.on_step = lambda k, accepted: ks.append(k) if k else None
     requests = [Request(list(p), params, on_done=lambda r, i=i: results.__setitem__(i, r)) for i, p in enumerate(prompts)]
     pending = list(requests)
     while pending or scheduler.num_running or scheduler.num_waiting:
