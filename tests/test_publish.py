@@ -159,6 +159,7 @@ def test_a_sweep_registers_each_job_and_the_best_becomes_champion(tiny_chat_targ
 
 def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
     from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.scheduler import Request
     from draftsmith.serve.server import BundleSourceError, load_server, resolve_bundle
 
     tmp, bundle, _ = published
@@ -166,8 +167,11 @@ def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
     assert verify(from_registry) == verify(bundle)
     server = load_server(from_registry, device="cpu", dtype="bfloat16", max_model_len=128)
     assert server.k == json.loads((bundle / "speculative_config.json").read_text())["num_speculative_tokens"]
-    assert server.engine.draft is not None
-    server.engine.generate([server.tokenizer.encode("hello")], SamplingParams(max_new_tokens=3), server.k)
+    assert server.scheduler.engine.draft is not None
+    done = []
+    server.scheduler.submit(Request(server.tokenizer.encode("hello"), SamplingParams(max_new_tokens=3), on_done=done.append))
+    server.scheduler.drain()  # what the server's engine thread runs
+    assert len(done) == 1 and 1 <= len(done[0].tokens) <= 3
     with pytest.raises(BundleSourceError, match="no such bundle dir"):
         resolve_bundle(str(tmp / "nowhere"))
     broken = shutil.copytree(bundle, tmp / "broken-bundle")
