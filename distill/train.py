@@ -127,8 +127,8 @@ class Distiller:
         if cfg.freeze_embeddings:  # tied in SmolLM2: one table, both ends
             draft.get_input_embeddings().requires_grad_(False)
             draft.get_output_embeddings().requires_grad_(False)
-        trainable = [p for p in draft.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
+        self.trainable = [p for p in draft.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(self.trainable, lr=cfg.learning_rate, weight_decay=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps))
         self.draft, self.optimizer = self.accelerator.prepare(draft, optimizer)
         self.scheduler = scheduler
@@ -203,7 +203,7 @@ class Distiller:
                     self.accelerator.backward(loss)
                     step_loss += loss.item()
                     tokens += batch.num_targets * self.accelerator.num_processes
-                self.accelerator.clip_grad_norm_([p for p in self.draft.parameters() if p.requires_grad], cfg.max_grad_norm)
+                self.accelerator.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)

@@ -101,22 +101,21 @@ def bench_engine(engine: Engine, method: str, prompts: list[list[int]], new_toke
 def bench_batch(engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, adaptive: bool,
                 requests: int) -> tuple[BenchRow, list[list[int]]]:
     """`requests` requests (the prompts, cycled) through the continuous-batching scheduler."""
-    stats = SpecStats()
-    scheduler = Scheduler(engine, k, adaptive=adaptive, on_step=lambda k, accepted: stats.record(k, accepted))
+    stats, steps = SpecStats(), []
+    record = lambda k, accepted: (stats.record(k, accepted), steps.append(k))
+    scheduler = Scheduler(engine, k, adaptive=adaptive, on_step=record)
     scheduler.warm_up()  # step costs for adaptive K; on a GPU, every shape's CUDA graph
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     done: dict[int, list[int]] = {}
     _sync(str(engine.device))
-    started, steps = time.perf_counter(), 0
+    started = time.perf_counter()
     for i in range(requests):
         scheduler.submit(Request(prompts[i % len(prompts)], params, on_done=lambda r, i=i: done.__setitem__(i, r.tokens)))
-    while scheduler.num_waiting or scheduler.num_running:
-        scheduler.step()
-        steps += 1
+    scheduler.drain()
     _sync(str(engine.device))
     seconds = time.perf_counter() - started
     outputs = [done[i] for i in range(requests)]
-    row = BenchRow(method, sum(len(o) for o in outputs), seconds, steps, tau=stats.tau if stats.num_drafts else None,
+    row = BenchRow(method, sum(len(o) for o in outputs), seconds, len(steps), tau=stats.tau if stats.num_drafts else None,
                    acceptance_rate=stats.acceptance_rate if stats.num_drafts else None)
     return row, outputs
 

@@ -116,7 +116,7 @@ class Engine:
         kwargs.setdefault("max_seq_len", min(2048, read_config(target_dir).get("max_position_embeddings", 2048)))
         return cls(target, draft, eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir), **kwargs)
 
-    def _check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int,
+    def check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int,
                proposer: Proposer | None) -> None:
         if not prompts:
             raise EngineError("no prompts given")
@@ -162,7 +162,7 @@ class Engine:
         k = num_speculative_tokens
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         proposer = proposer or self.draft_proposer
-        self._check(prompts, params, k, proposer)
+        self.check(prompts, params, k, proposer)
         started = time.perf_counter()
         rows = RowSampling.of(params, self.device)
         seed = params[0].seed
@@ -188,7 +188,7 @@ class Engine:
             else:
                 out = plain_step(self.target_forward, state, rows, generator)
             generation.target_steps += 1
-            self._emit(out, active_rows, stops, logprobs, generation.stats, k, on_tokens)
+            self.emit(out, active_rows, stops, logprobs, generation.stats, k, on_tokens)
             state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
             still = [a and stop.finish_reason is None for a, stop in zip(active_rows, stops)]
             if still != active_rows:
@@ -200,7 +200,7 @@ class Engine:
                                   for p, s, lp in zip(prompts, stops, logprobs)]
         return generation
 
-    def _emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
+    def emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
               logprobs: list[list[float] | None], stats: SpecStats, k: int,
               on_tokens: Callable[[int, list[int]], None] | None) -> list[int]:
         """Hand each active row its kept tokens (stops, logprobs, on_tokens) and count the step;

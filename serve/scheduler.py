@@ -89,7 +89,7 @@ class Scheduler:
     # -- the caller's side (any thread) -----------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue a request; EngineError (too long, ids outside the vocabulary) is raised here, at once."""
-        self.engine._check([request.prompt], [request.params], self.max_k, self.engine.draft_proposer)
+        self.engine.check([request.prompt], [request.params], self.max_k, self.engine.draft_proposer)
         with self.wake:
             self.waiting.append(request)
             self.wake.notify()
@@ -158,7 +158,7 @@ class Scheduler:
         stops = [r.stop if r is not None else None for r in running]
         step_stats = SpecStats()
         deliver = lambda i, tokens: running[i].request.on_tokens(tokens)
-        accepted = self.engine._emit(out, active_rows, stops, [None] * n, step_stats, k, deliver)
+        accepted = self.engine.emit(out, active_rows, stops, [None] * n, step_stats, k, deliver)
         active = torch.tensor(active_rows, device=self.engine.device)
         state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
         self.state.lengths[:n], self.state.pending[:n], self.state.previous[:n] = state.lengths, state.pending, state.previous

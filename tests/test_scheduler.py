@@ -21,12 +21,15 @@ def engine_of(target_dir, draft_dir, batch: int, max_seq_len: int = 64) -> Engin
 
 
 def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple[list, list[int]]:
-    """Submit the prompts (one more every `join_every` steps, all at once when 0), step until done;
-    returns the completions in prompt order and the K of every speculative (K > 0) step."""
+    """Submit the prompts with `params` (one for all, or one per prompt), one more every `join_every`
+    steps (all at once when 0), and step until done; returns the completions in prompt order and the K
+    of every speculative (K > 0) step."""
     results: dict[int, object] = {}
     ks: list[int] = []
     scheduler.on_step = lambda k, accepted: ks.append(k) if k else None
-    requests = [Request(list(p), params, on_done=lambda r, i=i: results.__setitem__(i, r)) for i, p in enumerate(prompts)]
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    requests = [Request(list(p), q, on_done=lambda r, i=i: results.__setitem__(i, r))
+                for i, (p, q) in enumerate(zip(prompts, per_prompt))]
     pending = list(requests)
     while pending or scheduler.num_running or scheduler.num_waiting:
         for _ in range(len(pending) if not join_every else 1):
@@ -45,16 +48,8 @@ def test_requests_joining_a_running_batch_get_the_targets_greedy_output(tiny_mod
     alone = engine_of(target_dir, draft_dir, 1)
     expected = [alone.generate([p], SamplingParams(max_new_tokens=n)).completions[0].tokens for p, n in zip(prompts, lengths)]
     scheduler = Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=3, adaptive=False)
-    results: dict[int, list[int]] = {}
-    pending = [Request(p, SamplingParams(max_new_tokens=n), on_done=lambda r, i=i: results.__setitem__(i, r.tokens))
-               for i, (p, n) in enumerate(zip(prompts, lengths))]
-    while pending or scheduler.num_running or scheduler.num_waiting:
-        for _ in range(len(pending) if not join_every else 1):
-            if pending:
-                scheduler.submit(pending.pop(0))
-        for _ in range(max(1, join_every)):
-            scheduler.step()
-    assert [results[i] for i in range(len(prompts))] == expected
+    completions, _ = collect(scheduler, prompts, [SamplingParams(max_new_tokens=n) for n in lengths], join_every)
+    assert [c.tokens for c in completions] == expected
 
 
 def test_adaptive_k_speculates_with_a_good_draft_and_stops_with_a_useless_one(tiny_models, tmp_path):
