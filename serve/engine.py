@@ -15,12 +15,12 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from draftsmith.serve.graphs import GraphedForward
+from draftsmith.serve.graphs import GraphedForward, GraphedSteps
 from draftsmith.serve.model import Transformer
 from draftsmith.serve.proposers import DraftModel, Proposer
 from draftsmith.serve.rejection import Verifier, rejection_sample
 from draftsmith.serve.sampling import RowSampling, SamplingParams, probabilities, sample
-from draftsmith.serve.speculative import DecodeState, StepOutput, fed_tokens, plain_step, speculative_step
+from draftsmith.serve.speculative import DecodeState, StepOutput, decode_step
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import Detokenize, StopChecker
 from draftsmith.serve.weights import load_model, read_config
@@ -104,6 +104,8 @@ class Engine:
         self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks)
         self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if draft is not None else None
         self.draft_proposer = DraftModel(self.draft_forward) if draft is not None else None
+        # greedy steps with the draft model (or plain) run as one graph each; the rest forward by forward
+        self.step_graphs = GraphedSteps(target, draft) if self.target_forward.enabled else None
 
     @classmethod
     def load(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *, dtype: str = "bfloat16",
@@ -182,14 +184,11 @@ class Engine:
         active = torch.tensor(active_rows, device=self.device)
         generation = Generation(completions=[])
         while any(active_rows):
-            if k > 0:
-                histories = [list(p) + s.tokens for p, s in zip(prompts, stops)] if proposer.reads_history else []
-                out = speculative_step(self.target_forward, proposer, state, k, rows, generator, self.verify, histories)
-            else:
-                out = plain_step(self.target_forward, state, rows, generator)
+            reads_history = k > 0 and proposer.reads_history
+            histories = [list(p) + s.tokens for p, s in zip(prompts, stops)] if reads_history else []
+            out = self.step(state, active, k, rows, generator, proposer, histories)
             generation.target_steps += 1
             self.emit(out, active_rows, stops, logprobs, generation.stats, k, on_tokens)
-            state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
             still = [a and stop.finish_reason is None for a, stop in zip(active_rows, stops)]
             if still != active_rows:
                 active_rows, active = still, torch.tensor(still, device=self.device)
@@ -199,6 +198,14 @@ class Engine:
         generation.completions = [Completion(list(p), s.tokens, s.finish_reason or "length", s.text, lp)
                                   for p, s, lp in zip(prompts, stops, logprobs)]
         return generation
+
+    def step(self, state: DecodeState, active: Tensor, k: int, rows: RowSampling, generator: torch.Generator | None,
+             proposer: Proposer | None, histories: Sequence[Sequence[int]] = ()) -> StepOutput:
+        """One decoding step (K = 0: plain); the `active` rows of `state` advance in place. The output's
+        tensors hold until the next step."""
+        if self.step_graphs is not None and rows.all_greedy and (k == 0 or proposer is self.draft_proposer):
+            return self.step_graphs(state, active, k)
+        return decode_step(self.target_forward, proposer, state, active, k, rows, generator, self.verify, histories)
 
     def emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
               logprobs: list[list[float] | None], stats: SpecStats, k: int,

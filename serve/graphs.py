@@ -1,14 +1,38 @@
-"""CUDA graphs for the runtime's forwards: one graph per (batch, tokens) shape, captured on first use.
+"""CUDA graphs for the runtime: captured on first use of each shape.
 
 At this model size launch overhead, not memory bandwidth, bounds a decode step; replaying a graph
-launches the whole forward at once. On CPU (or with graphs off) the same call runs eagerly.
+launches all its kernels at once. `GraphedForward` captures one model forward per (batch, tokens)
+shape. `GraphedSteps` captures a whole greedy step per (batch, K): the draft's K proposals, the
+target's forward over K+1 tokens, acceptance and the state's advance, with no gap between kernels and
+no Python in between; the one sync left is reading the step's tokens. On CPU (or with graphs off)
+the same calls run eagerly.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from draftsmith.serve.model import Transformer
+from draftsmith.serve.proposers import DraftModel
+from draftsmith.serve.sampling import RowSampling, SamplingParams
+from draftsmith.serve.speculative import DecodeState, StepOutput, decode_step
+
+
+def record_graph(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run fn twice on a side stream (allocations settle, compiled code is built for the shapes), then
+    record it as a graph; returns the graph and fn's output tensors, which every replay rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 class GraphedForward:
@@ -38,14 +62,42 @@ class GraphedForward:
         static_tokens = torch.zeros(B, T, dtype=torch.long, device=device)
         # warm-up and capture write the cache's spare slot only
         static_positions = torch.full((B, T), self.model.max_seq_len, dtype=torch.long, device=device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # also compiles the fused blocks for this shape
-                self.model(static_tokens, static_positions, fused=True)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            static_logits = self.model(static_tokens, static_positions, fused=True)
+        graph, static_logits = record_graph(lambda: self.model(static_tokens, static_positions, fused=True), self.pool)
         self.graphs[(B, T)] = (graph, static_tokens, static_positions, static_logits)
         return self.graphs[(B, T)]
+
+
+class GraphedSteps:
+    """Greedy decoding steps as CUDA graphs, one per (batch, K); K = 0 is a plain step."""
+
+    def __init__(self, target: Transformer, draft: Transformer | None):
+        self.target, self.draft = target, draft
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeState, Tensor, StepOutput]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @torch.inference_mode()
+    def __call__(self, state: DecodeState, active: Tensor, k: int) -> StepOutput:
+        """The step's output (rewritten by the next replay); `state` advances in place."""
+        graph, static_state, static_active, out = self.graphs.get((len(active), k)) or self.capture(len(active), k)
+        static_state.copy_(state)
+        static_active.copy_(active)
+        graph.replay()
+        state.copy_(static_state)
+        return out
+
+    @torch.inference_mode()
+    def capture(self, batch: int, k: int):
+        device = self.target.output.weight.device
+        # warm-up and capture run inactive rows past the cache's end: every write lands in the spare slot
+        # (positions clamp to it, the draft's re-read of `previous` included) and the state stays put
+        beyond = self.target.max_seq_len + 1
+        state = DecodeState(lengths=torch.full((batch,), beyond, dtype=torch.long, device=device),
+                            pending=torch.zeros(batch, dtype=torch.long, device=device),
+                            previous=torch.zeros(batch, dtype=torch.long, device=device))
+        active = torch.zeros(batch, dtype=torch.bool, device=device)
+        rows = RowSampling.of([SamplingParams()] * batch, device)  # greedy: no generator, no distributions
+        target = lambda tokens, positions: self.target(tokens, positions, fused=True)
+        proposer = DraftModel(lambda tokens, positions: self.draft(tokens, positions, fused=True)) if k else None
+        graph, out = record_graph(lambda: decode_step(target, proposer, state, active, k, rows, None), self.pool)
+        self.graphs[(batch, k)] = (graph, state, active, out)
+        return self.graphs[(batch, k)]

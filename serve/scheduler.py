@@ -21,7 +21,7 @@ import torch
 from draftsmith.evaluate.cost import expected_tokens, time_forward
 from draftsmith.serve.engine import Completion, Engine, EngineError
 from draftsmith.serve.sampling import RowSampling, SamplingParams
-from draftsmith.serve.speculative import DecodeState, fed_tokens, plain_step, speculative_step
+from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import StopChecker
 
@@ -105,7 +105,7 @@ class Scheduler:
     # -- the engine's thread ----------------------------------------------------------------------
     def warm_up(self) -> None:
         """Time the target over 1..K+1 tokens and the draft over 1 at every batch bucket (on a GPU this
-        also captures each shape's CUDA graph), before any request is admitted."""
+        also captures each shape's CUDA graph and each greedy step's), before any request is admitted."""
         e = self.engine
         buckets = sorted({bucket(n, e.max_batch_size) for n in range(1, e.max_batch_size + 1)})
         target = {(b, t): time_forward(e.target_forward, b, t, e.device, repeats=3) for b in buckets for t in range(1, self.max_k + 2)}
@@ -113,6 +113,10 @@ class Scheduler:
         if e.draft_forward and self.max_k > 0:
             for b in buckets:  # the draft's first forward of a step reads 2 tokens: capture that shape too
                 time_forward(e.draft_forward, b, 2, e.device, repeats=1)
+        if e.step_graphs is not None:  # greedy steps run as whole-step graphs: capture each K's now
+            for b in buckets:
+                for k in range(self.max_k + 1):
+                    e.step_graphs.capture(b, k)
         self.costs = StepCostTable(target, draft)
 
     def serve_forever(self, stop: threading.Event) -> None:
@@ -148,20 +152,13 @@ class Scheduler:
         running = self.rows[:n]
         k = self._choose_k(n, [r.alpha for r in running if r is not None])
         rows = self._row_sampling(running)
-        state = DecodeState(self.state.lengths[:n], self.state.pending[:n], self.state.previous[:n])
-        if k > 0:
-            proposer = self.engine.draft_proposer
-            out = speculative_step(self.engine.target_forward, proposer, state, k, rows, self.generator, self.engine.verify)
-        else:
-            out = plain_step(self.engine.target_forward, state, rows, self.generator)
+        state = DecodeState(self.state.lengths[:n], self.state.pending[:n], self.state.previous[:n])  # views: advance in place
         active_rows = [r is not None for r in running]
-        stops = [r.stop if r is not None else None for r in running]
-        step_stats = SpecStats()
-        deliver = lambda i, tokens: running[i].request.on_tokens(tokens)
-        accepted = self.engine.emit(out, active_rows, stops, [None] * n, step_stats, k, deliver)
         active = torch.tensor(active_rows, device=self.engine.device)
-        state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
-        self.state.lengths[:n], self.state.pending[:n], self.state.previous[:n] = state.lengths, state.pending, state.previous
+        out = self.engine.step(state, active, k, rows, self.generator, self.engine.draft_proposer)
+        stops = [r.stop if r is not None else None for r in running]
+        deliver = lambda i, tokens: running[i].request.on_tokens(tokens)
+        accepted = self.engine.emit(out, active_rows, stops, [None] * n, SpecStats(), k, deliver)
         if k > 0:
             self.plain_steps = 0
             for r, a in zip(running, accepted):

@@ -30,12 +30,18 @@ class DecodeState:
     previous: Tensor  # [B]
 
     def advance(self, active: Tensor, num_accepted: Tensor, fed: Tensor, emitted: Tensor) -> None:
-        """Move active rows past their accepted tokens; finished rows stay where they are.
+        """Move active rows past their accepted tokens, in place (a state of views into a larger batch
+        advances that batch); finished rows stay where they are.
         fed [B, K+1]: the tokens the target read this step; emitted [B, K+1]: the step's output."""
         at = num_accepted.unsqueeze(1)  # [B, 1]
-        self.lengths = torch.where(active, self.lengths + num_accepted + 1, self.lengths)
-        self.previous = torch.where(active, fed.gather(1, at).squeeze(1), self.previous)
-        self.pending = torch.where(active, emitted.gather(1, at).squeeze(1), self.pending)
+        previous, pending = fed.gather(1, at).squeeze(1), emitted.gather(1, at).squeeze(1)
+        self.lengths.copy_(torch.where(active, self.lengths + num_accepted + 1, self.lengths))
+        self.previous.copy_(torch.where(active, previous, self.previous))
+        self.pending.copy_(torch.where(active, pending, self.pending))
+
+    def copy_(self, other: "DecodeState") -> None:
+        for mine, theirs in ((self.lengths, other.lengths), (self.pending, other.pending), (self.previous, other.previous)):
+            mine.copy_(theirs)
 
 
 @dataclass
@@ -69,6 +75,18 @@ def plain_step(target: Forward, state: DecodeState, rows: RowSampling, generator
     else:
         tokens = sample(probabilities(target_logits, rows), generator)
     return StepOutput(torch.zeros_like(state.lengths), tokens, target_logits)
+
+
+def decode_step(target: Forward, proposer: "Proposer | None", state: DecodeState, active: Tensor, k: int,
+                rows: RowSampling, generator: torch.Generator | None, verify: Verifier = rejection_sample,
+                histories: Sequence[Sequence[int]] = ()) -> StepOutput:
+    """One step, speculative (K > 0) or plain, then the `active` rows of `state` advance past what it kept."""
+    if k > 0:
+        out = speculative_step(target, proposer, state, k, rows, generator, verify, histories)
+    else:
+        out = plain_step(target, state, rows, generator)
+    state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
+    return out
 
 
 def fed_tokens(state: DecodeState, out: StepOutput) -> Tensor:
