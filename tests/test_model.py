@@ -50,3 +50,20 @@ def test_pickled_weights_are_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(WeightsError, match="never loads pickles"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("heads, kv_heads, tokens", [(6, 2, 1), (6, 2, 4), (4, 4, 3)])
+def test_grouped_attention_equals_sdpa(heads, kv_heads, tokens):
+    # the compiled decode path's attention: each row's queries at its own positions over a cache
+    import torch.nn.functional as F
+
+    from draftsmith.serve.model import grouped_attention
+
+    torch.manual_seed(0)
+    B, S, D = 3, 24, 16
+    q = torch.randn(B, heads, tokens, D, dtype=torch.float64)
+    keys, values = torch.randn(B, kv_heads, S, D, dtype=torch.float64), torch.randn(B, kv_heads, S, D, dtype=torch.float64)
+    positions = torch.tensor([[2], [9], [20]]) + torch.arange(tokens)  # [B, T]
+    mask = torch.arange(S).view(1, 1, 1, S) <= positions.view(B, 1, tokens, 1)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(grouped_attention(q, keys, values, mask), expected, rtol=0, atol=1e-12)
