@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 from draftsmith.serve.engine import Completion, Engine, EngineError
 from draftsmith.serve.sampling import SamplingError, SamplingParams
 from draftsmith.serve.scheduler import Request as EngineRequest, Scheduler
+from draftsmith.serve.stats import SpecStats
 
 PREFIX = "draftsmith:"
 
@@ -143,13 +144,15 @@ class Server:
 
     def _count(self, k: int, accepted: list[int]) -> None:
         """Spec counters of one step (on the engine thread)."""
+        step = SpecStats()
+        step.record(k, accepted)
         m = self.metrics
         m.k.set(k)
-        m.drafts.inc(len(accepted))
-        m.draft_tokens.inc(k * len(accepted))
-        m.accepted.inc(sum(accepted))
-        for position in range(k):
-            m.accepted_per_pos.labels(position=str(position)).inc(sum(a > position for a in accepted))
+        m.drafts.inc(step.num_drafts)
+        m.draft_tokens.inc(step.num_draft_tokens)
+        m.accepted.inc(step.num_accepted_tokens)
+        for position, n in enumerate(step.accepted_per_position):
+            m.accepted_per_pos.labels(position=str(position)).inc(n)
 
     def prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
         if isinstance(request, ChatRequest):
