@@ -1,8 +1,10 @@
 """The distill stage: build the initial draft, train it against the teacher data, keep both.
 
-Output: initial/ (the draft before training, a baseline for evaluate), draft/ (the distilled draft),
-history.json (held-out loss and TVD per evaluation). Checkpoints live in the stage's work dir, so a
-killed run resumes where it stopped.
+Output: initial/ (the draft before training, a baseline for evaluate), draft/ (the distilled draft: an
+HF dir, or for draft.kind=eagle3 an EAGLE-3 head in the speculators format), history.json (held-out
+metrics per evaluation), draft_vocab.json (the token ids the draft proposes from, when
+draft.vocab_size > 0 or for a head). Checkpoints live in the stage's work dir, so a killed run resumes
+where it stopped.
 """
 from __future__ import annotations
 
@@ -11,50 +13,84 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+from draftsmith.distill import eagle
 from draftsmith.distill.draft import build_draft
 from draftsmith.distill.teacher import load_teacher
 from draftsmith.distill.tokenizer import adopt_target_tokenizer
-from draftsmith.distill.train import Distiller
-from draftsmith.pipeline.config import DraftsmithConfig
+from draftsmith.distill.train import DraftObjective, Distiller
+from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
 from draftsmith.serve.engine import compute_dtype, pick_device
+from draftsmith.serve.weights import read_config
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
     import torch
+    from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 
-    target_dir = Path(load_reference(inputs["target"])["path"])
+    reference = load_reference(inputs["target"])
+    target_dir = Path(reference["path"])
     rows = load_teacher(inputs["teacher"]).to_list()
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] == "eval"]
-    from accelerate import PartialState
-
     state = PartialState(cpu=cfg.device.value == "cpu")  # one process, or one per rank under a launcher
-    initial = out / "initial"
-    if state.is_main_process and not (initial / "config.json").is_file():
-        build_draft(cfg.draft, target_dir, initial, cfg.seed)
-        adopt_target_tokenizer(target_dir, initial)
-    state.wait_for_everyone()
     device = pick_device(cfg.device.value)
-    draft = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
-    if cfg.draft.init.value == "pretrained" and cfg.draft.lora_rank > 0:
-        draft = with_lora(draft, cfg.draft.lora_rank)
+    vocab_size = read_config(target_dir)["vocab_size"]
+    vocab = eagle.draft_vocabulary((r["response_ids"] for r in train_rows), vocab_size, cfg.draft.vocab_size)
+    covered = eagle.coverage((r["response_ids"] for r in eval_rows), vocab)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=compute_dtype(cfg.target.dtype.value, device))
-    distiller = Distiller(cfg.distill, draft, target, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu")
+    if cfg.draft.kind == DraftKind.eagle3:
+        student, objective = eagle_student(cfg, target, reference, vocab, out / "initial", state.is_main_process)
+    else:
+        online = cfg.distill.loss.value != "hard_label" and "topk_ids" not in train_rows[0]  # else the logit cache
+        student, objective = draft_student(cfg, target_dir, out / "initial", state, online)
+    state.wait_for_everyone()
+    distiller = Distiller(cfg.distill, student, target, objective, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu")
     result = distiller.train()
     distiller.save_draft(out / "draft")
     if state.is_main_process:
-        adopt_target_tokenizer(target_dir, out / "draft")
+        if cfg.draft.kind != DraftKind.eagle3:
+            adopt_target_tokenizer(target_dir, out / "draft")
+        if len(vocab) < vocab_size:
+            eagle.write_vocab(out, vocab, covered)
         shutil.rmtree(out / "checkpoint", ignore_errors=True)
         (out / "history.json").write_text(json.dumps(result["history"], indent=2))
     state.wait_for_everyone()
     first, last = result["history"][0], result["history"][-1]
-    return {"tvd_initial": first.get("eval_tvd"), "tvd_final": last.get("eval_tvd"),
+    return {"kind": cfg.draft.kind.value, "tvd_initial": first.get("eval_tvd"), "tvd_final": last.get("eval_tvd"),
             "eval_loss_final": last.get("eval_loss"), "train_loss_final": result["final_train_loss"],
             "train_tokens": result["train_tokens"], "tokens_per_s": round(result["tokens_per_s"], 1),
-            "history": result["history"]}
+            "draft_vocab_size": len(vocab), "draft_vocab_coverage": round(covered, 4),
+            **{k: v for k, v in last.items() if k.startswith(("eval_alpha", "eval_tau"))}, "history": result["history"]}
+
+
+def draft_student(cfg: DraftsmithConfig, target_dir: Path, initial: Path, state, online: bool):
+    """A standalone draft: built from the target (or from scratch, or a pretrained model) on its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if state.is_main_process and not (initial / "config.json").is_file():
+        build_draft(cfg.draft, target_dir, initial, cfg.seed)
+        adopt_target_tokenizer(target_dir, initial)
+    state.wait_for_everyone()
+    draft = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
+    if cfg.draft.init.value == "pretrained" and cfg.draft.lora_rank > 0:
+        draft = with_lora(draft, cfg.draft.lora_rank)
+    return draft, DraftObjective(cfg.distill, online)
+
+
+def eagle_student(cfg: DraftsmithConfig, target, reference: dict, vocab: list[int], initial: Path, main: bool):
+    """An EAGLE-3 head on the target's hidden states, unrolled for training-time test."""
+    aux = eagle.resolve_aux_layers(list(cfg.draft.aux_layers), reference["num_hidden_layers"])
+    head, layer_config = eagle.build_head(Path(reference["path"]), cfg.draft.num_layers, aux, vocab, cfg.seed)
+    verifier = {"name_or_path": reference["name_or_path"], "architectures": [reference["architecture"]]}
+    objective = eagle.EagleObjective(cfg.distill, aux, vocab, layer_config, verifier)
+    student = eagle.UnrolledHead(head, target.get_input_embeddings(), cfg.draft.ttt_steps, cfg.draft.ttt_decay)
+    if main and not (initial / "config.json").is_file():
+        objective.save(student, initial)
+    return student, objective
 
 
 def with_lora(model, rank: int):

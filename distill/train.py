@@ -94,6 +94,39 @@ def position_loss(cfg: DistillConfig, student_logits: torch.Tensor, batch: Batch
     return losses.divergence(cfg.loss.value, logp, logq, cfg.jsd_beta)
 
 
+class DraftObjective:
+    """A standalone draft model against the target's distribution: online target logits, or the
+    teacher's top-k logit cache when the rows carry one."""
+
+    def __init__(self, cfg: DistillConfig, online: bool):
+        self.cfg, self.online = cfg, online
+
+    def loss(self, student, target, batch: Batch) -> torch.Tensor:
+        logits = predicted_logits(student, batch)  # [N, V]
+        target_logits = None
+        if self.online:
+            with torch.no_grad():
+                target_logits = predicted_logits(target, batch)
+        return position_loss(self.cfg, logits, batch, target_logits).mean()
+
+    @torch.no_grad()
+    def held_out(self, student, target, rows: list[dict], device) -> dict[str, float]:
+        """Held-out loss and exact TVD to the target (full vocabulary, T = 1), per response token."""
+        total_tvd, total_loss, count = 0.0, 0.0, 0
+        for batch, (logits, target_logits) in response_logits([student, target], rows, self.cfg.batch_size,
+                                                              self.cfg.max_seq_len, device):
+            total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
+            online = None if batch.topk_ids is not None else target_logits
+            total_loss += position_loss(self.cfg, logits, batch, online).sum().item()
+            count += batch.num_targets
+        return {"eval_tvd": total_tvd / count, "eval_loss": total_loss / count}
+
+    def save(self, student, out_dir: Path) -> None:
+        if hasattr(student, "merge_and_unload"):  # LoRA adapters merged into the weights
+            student = student.merge_and_unload()
+        student.save_pretrained(out_dir, safe_serialization=True)
+
+
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < warmup:
@@ -108,8 +141,11 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 class Distiller:
-    def __init__(self, cfg: DistillConfig, draft, target, train_rows: list[dict], eval_rows: list[dict],
-                 work_dir: Path, seed: int, cpu: bool = False,
+    """The training loop; `objective` says what the student is and what it learns (DraftObjective here,
+    distill.eagle.EagleObjective for EAGLE-3 heads): its loss on a batch, held-out metrics, saving."""
+
+    def __init__(self, cfg: DistillConfig, student: torch.nn.Module, target, objective, train_rows: list[dict],
+                 eval_rows: list[dict], work_dir: Path, seed: int, cpu: bool = False,
                  log: Callable[[int, dict[str, float]], None] = lambda step, m: None):
         from accelerate import Accelerator
 
@@ -118,22 +154,22 @@ class Distiller:
         if not train_rows:
             raise ValueError(f"no training example has a response within distill.max_seq_len={cfg.max_seq_len} tokens")
         self.cfg, self.train_rows, self.eval_rows, self.work_dir, self.seed, self.log = cfg, train_rows, eval_rows, work_dir, seed, log
+        self.objective = objective
         cpu = cpu or not torch.cuda.is_available()
         self.accelerator = Accelerator(mixed_precision="no" if cpu else "bf16", cpu=cpu)
         self.device = self.accelerator.device
         torch.manual_seed(seed)
         random.seed(seed)
         self.target = target.to(self.device).eval().requires_grad_(False) if target is not None else None
-        if cfg.freeze_embeddings:  # tied in SmolLM2: one table, both ends
-            draft.get_input_embeddings().requires_grad_(False)
-            draft.get_output_embeddings().requires_grad_(False)
-        self.trainable = [p for p in draft.parameters() if p.requires_grad]
+        if cfg.freeze_embeddings and hasattr(student, "get_input_embeddings"):  # tied in SmolLM2: one table, both ends
+            student.get_input_embeddings().requires_grad_(False)
+            student.get_output_embeddings().requires_grad_(False)
+        self.trainable = [p for p in student.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(self.trainable, lr=cfg.learning_rate, weight_decay=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps))
-        self.draft, self.optimizer = self.accelerator.prepare(draft, optimizer)
+        self.draft, self.optimizer = self.accelerator.prepare(student, optimizer)
         self.scheduler = scheduler
-        self.online = cfg.loss.value != "hard_label" and "topk_ids" not in train_rows[0]
-        if self.online and self.target is None:
+        if objective.online and self.target is None:
             raise ValueError("no top-k logit cache: online distillation needs the target model")
 
     def _micro_batches(self, step: int) -> list[list[dict]]:
@@ -150,29 +186,14 @@ class Distiller:
         size = max(1, len(mine) // self.cfg.grad_accum_steps)
         return [mine[i:i + size] for i in range(0, len(mine), size)][: self.cfg.grad_accum_steps]
 
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        logits = predicted_logits(self.draft, batch)  # [N, V]
-        target_logits = None
-        if self.online:
-            with torch.no_grad():
-                target_logits = predicted_logits(self.target, batch)
-        return position_loss(self.cfg, logits, batch, target_logits).mean()
-
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss and exact TVD to the target (full vocabulary, T = 1), per response token."""
+        """The objective's held-out metrics (nothing without the target or held-out rows)."""
         if self.target is None or not self.eval_rows:
             return {}
         self.draft.eval()
-        total_tvd, total_loss, count = 0.0, 0.0, 0
-        for batch, (logits, target_logits) in response_logits([self.draft, self.target], self.eval_rows,
-                                                              self.cfg.batch_size, self.cfg.max_seq_len, self.device):
-            total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
-            online = None if batch.topk_ids is not None else target_logits
-            total_loss += position_loss(self.cfg, logits, batch, online).sum().item()
-            count += batch.num_targets
+        metrics = self.objective.held_out(self.accelerator.unwrap_model(self.draft), self.target, self.eval_rows, self.device)
         self.draft.train()
-        return {"eval_tvd": total_tvd / count, "eval_loss": total_loss / count}
+        return metrics
 
     def train(self) -> dict[str, Any]:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -199,7 +220,7 @@ class Distiller:
                 for rows in micro:
                     batch = collate(rows, cfg.max_seq_len, self.device)
                     with self.accelerator.autocast():
-                        loss = self._loss(batch) / len(micro)
+                        loss = self.objective.loss(self.draft, self.target, batch) / len(micro)
                     self.accelerator.backward(loss)
                     step_loss += loss.item()
                     tokens += batch.num_targets * self.accelerator.num_processes
@@ -223,9 +244,6 @@ class Distiller:
                 "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0}
 
     def save_draft(self, out_dir: Path) -> None:
-        """The trained draft as a plain HF dir (LoRA adapters, if any, merged into the weights)."""
+        """The trained student, as the objective saves it (an HF dir; an EAGLE-3 head in speculators format)."""
         if self.accelerator.is_main_process:
-            model = self.accelerator.unwrap_model(self.draft)
-            if hasattr(model, "merge_and_unload"):
-                model = model.merge_and_unload()
-            model.save_pretrained(out_dir, safe_serialization=True)
+            self.objective.save(self.accelerator.unwrap_model(self.draft), out_dir)

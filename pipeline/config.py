@@ -32,6 +32,11 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
+class DraftKind(str, enum.Enum):
+    standalone = "standalone"  # a small causal LM (vLLM method draft_model)
+    eagle3 = "eagle3"  # an EAGLE-3 head on the target's hidden states (vLLM method eagle3, speculators format)
+
+
 class DraftInit(str, enum.Enum):
     from_target = "from_target"
     scratch = "scratch"
@@ -68,11 +73,16 @@ class DataConfig:
 
 @dataclass
 class DraftConfig:
-    init: DraftInit = MISSING
+    kind: DraftKind = MISSING
+    init: DraftInit = MISSING  # standalone drafts
     layers: list[int] = field(default_factory=list)  # from_target: which target layers to copy
-    num_layers: int = MISSING  # from_target (when layers is empty, every n-th) and scratch
+    num_layers: int = MISSING  # from_target (when layers is empty, every n-th), scratch, and an EAGLE-3 head's layers
     pretrained_path: Optional[str] = None
     lora_rank: int = MISSING  # pretrained only; 0 trains all weights
+    vocab_size: int = MISSING  # proposals from this many of the teacher data's most frequent tokens; 0: all
+    aux_layers: list[int] = field(default_factory=list)  # eagle3: target layers it reads; []: early, middle, late
+    ttt_steps: int = MISSING  # eagle3: training-time test unrolls the head this many steps
+    ttt_decay: float = MISSING  # eagle3: weight of step j's loss is ttt_decay^j
 
 
 @dataclass
@@ -194,6 +204,9 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     _check(0.0 < typed.data.eval_fraction < 1.0, "data.eval_fraction", "a fraction in (0, 1)", typed.data.eval_fraction)
     _check(typed.draft.num_layers >= 1, "draft.num_layers", "at least 1", typed.draft.num_layers)
     _check(typed.draft.lora_rank >= 0, "draft.lora_rank", "0 (full training) or a positive rank", typed.draft.lora_rank)
+    _check(typed.draft.vocab_size >= 0, "draft.vocab_size", "0 (the whole vocabulary) or a positive size", typed.draft.vocab_size)
+    _check(typed.draft.ttt_steps >= 1, "draft.ttt_steps", "1 or more", typed.draft.ttt_steps)
+    _check(0.0 < typed.draft.ttt_decay <= 1.0, "draft.ttt_decay", "a number in (0, 1]", typed.draft.ttt_decay)
     _check(d.temperature > 0, "distill.temperature", "a positive number", d.temperature)
     _check(0.0 < d.jsd_beta < 1.0, "distill.jsd_beta", "a number in (0, 1)", d.jsd_beta)
     _check(d.teacher.top_k_logits >= 0, "distill.teacher.top_k_logits", "0 (online target logits) or a positive k", d.teacher.top_k_logits)

@@ -15,9 +15,10 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from draftsmith.serve.eagle import EagleFormatError, EagleHead, check_fits, is_eagle_dir, load_head
 from draftsmith.serve.graphs import GraphedForward, GraphedSteps
 from draftsmith.serve.model import Transformer
-from draftsmith.serve.proposers import DraftModel, Proposer
+from draftsmith.serve.proposers import DraftModel, EagleProposer, Proposer
 from draftsmith.serve.rejection import Verifier, rejection_sample
 from draftsmith.serve.sampling import RowSampling, SamplingParams, probabilities, sample
 from draftsmith.serve.speculative import DecodeState, StepOutput, decode_step
@@ -88,10 +89,18 @@ def detokenizer_of(model_dir: Path) -> Detokenize | None:
 
 
 class Engine:
-    def __init__(self, target: Transformer, draft: Transformer | None = None, *, max_batch_size: int = 1,
+    """Decoding over a target and, optionally, a draft: a small LM (Transformer) or an EAGLE-3 head."""
+
+    def __init__(self, target: Transformer, draft: Transformer | EagleHead | None = None, *, max_batch_size: int = 1,
                  max_seq_len: int = 2048, cuda_graphs: bool = True, compile_blocks: bool = True, eos_token_ids: frozenset[int] = frozenset(),
                  detokenize: Detokenize | None = None, verify: Verifier = rejection_sample):
-        if draft is not None and draft.args.vocab_size != target.args.vocab_size:
+        self.eagle = isinstance(draft, EagleHead)
+        if self.eagle:
+            try:
+                check_fits(draft, target.args, "the EAGLE-3 head")
+            except EagleFormatError as e:
+                raise EngineError(str(e)) from None
+        elif draft is not None and draft.args.vocab_size != target.args.vocab_size:
             raise EngineError(f"draft vocab size {draft.args.vocab_size} != target {target.args.vocab_size}: "
                               "the draft must use the target's tokenizer (distill.draft.init=from_target does this)")
         self.target, self.draft = target, draft
@@ -101,20 +110,48 @@ class Engine:
         for model in (target, draft):
             if model is not None:
                 model.setup_cache(max_batch_size, max_seq_len)
-        self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks)
-        self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if draft is not None else None
-        self.draft_proposer = DraftModel(self.draft_forward) if draft is not None else None
-        # greedy steps with the draft model (or plain) run as one graph each; the rest forward by forward
-        self.step_graphs = GraphedSteps(target, draft) if self.target_forward.enabled else None
+        self.hidden_layers = draft.aux_layers if self.eagle else ()  # what the target hands an EAGLE-3 head
+        self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks, hidden_layers=self.hidden_layers)
+        self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if isinstance(draft, Transformer) else None
+        if self.eagle and self.target_forward.enabled and compile_blocks:
+            draft.compile_layers()
+        self.draft_proposer = self.proposer()
+        # greedy steps with the engine's draft (or plain) run as one graph each; the rest forward by forward
+        self.step_graphs = (GraphedSteps(target, self.hidden_layers, lambda: self.proposer(fused=True), self.draft_hidden_size)
+                            if self.target_forward.enabled else None)
+
+    @property
+    def draft_hidden_size(self) -> int | None:
+        """The width of DecodeState.draft_hidden: an EAGLE-3 head keeps one hidden state per row."""
+        return self.draft.args.hidden_size if self.eagle else None
+
+    def proposer(self, fused: bool = False) -> Proposer | None:
+        """The engine's draft as a proposer; fused: with compiled forwards (inside whole-step graphs)."""
+        if self.draft is None:
+            return None
+        if self.eagle:
+            return EagleProposer(self.draft, self.target.tok_embeddings, fused)
+        forward = (lambda tokens, positions: self.draft(tokens, positions, fused=True)) if fused else self.draft_forward
+        return DraftModel(self.draft, forward, self.target.args.vocab_size)
+
+    def idle_state(self, batch: int) -> DecodeState:
+        """Rows parked past the cache's end (DecodeState.idle), with the draft's hidden state if it keeps one."""
+        return DecodeState.idle(batch, self.max_seq_len + 1, self.device, self.draft_hidden_size, self.target.output.weight.dtype)
 
     @classmethod
     def load(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *, dtype: str = "bfloat16",
-             device: str = "cpu", **kwargs) -> "Engine":
-        """An engine over HF model dirs (the tokenizer and EOS ids come from the target's dir)."""
+             device: str = "cpu", draft_vocab: Sequence[int] | None = None, **kwargs) -> "Engine":
+        """An engine over HF model dirs (the tokenizer and EOS ids come from the target's dir). The draft
+        dir holds a draft model or an EAGLE-3 head (speculators format); draft_vocab: the token ids a
+        draft model proposes from (None: all)."""
         target_dir = Path(target_dir)
         torch_dtype = DTYPES[dtype]
         target = load_model(target_dir, torch_dtype, device)
-        draft = load_model(Path(draft_dir), torch_dtype, device) if draft_dir else None
+        draft = None
+        if draft_dir is not None:
+            draft = load_head(draft_dir, torch_dtype, device) if is_eagle_dir(Path(draft_dir)) else load_model(Path(draft_dir), torch_dtype, device)
+            if draft_vocab is not None and isinstance(draft, Transformer):
+                draft.use_vocab(torch.tensor(list(draft_vocab)))
         kwargs.setdefault("max_seq_len", min(2048, read_config(target_dir).get("max_position_embeddings", 2048)))
         return cls(target, draft, eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir), **kwargs)
 
@@ -147,12 +184,14 @@ class Engine:
             tokens[i, : len(prompt)] = torch.tensor(prompt, device=self.device)
         positions = torch.arange(longest, device=self.device).expand(B, longest)  # padding lands past each length
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        last = self.target(tokens, positions, logits_at=(lengths - 1).unsqueeze(1), cache_rows=cache_rows)[:, 0]  # [B, V]
-        if self.draft is not None:
-            self.draft(tokens, positions, cache_rows=cache_rows)
+        out = self.target(tokens, positions, logits_at=(lengths - 1).unsqueeze(1), cache_rows=cache_rows,
+                          hidden_layers=self.hidden_layers)
+        last, hidden = out if self.hidden_layers else (out, None)  # hidden states at every position [B, T, F]
+        last = last[:, 0]  # [B, V]: the logits after the last prompt token
         first = sample(probabilities(last.unsqueeze(1), rows), generator).squeeze(1)  # [B]
+        draft_hidden = self.draft_proposer.prefill(tokens, positions, lengths, first, hidden, cache_rows) if self.draft_proposer else None
         previous = tokens.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
-        return DecodeState(lengths=lengths, pending=first, previous=previous), last
+        return DecodeState(lengths=lengths, pending=first, previous=previous, draft_hidden=draft_hidden), last
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
@@ -206,6 +245,24 @@ class Engine:
         if self.step_graphs is not None and rows.all_greedy and (k == 0 or proposer is self.draft_proposer):
             return self.step_graphs(state, active, k)
         return decode_step(self.target_forward, proposer, state, active, k, rows, generator, self.verify, histories)
+
+    @torch.inference_mode()
+    def time_step(self, batch: int, k: int, repeats: int = 3) -> float:
+        """Median milliseconds of one greedy step at `batch` rows and K (0: plain), with the engine's own
+        draft, on idle rows (nothing moves). On a GPU the first call captures the step's graph."""
+        state, active = self.idle_state(batch), torch.zeros(batch, dtype=torch.bool, device=self.device)
+        rows = RowSampling.of([SamplingParams()] * batch, self.device)
+        times = []
+        for i in range(repeats + 1):  # the first call warms up (graph capture, compilation, caches)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            self.step(state, active, k, rows, None, self.draft_proposer)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append((time.perf_counter() - started) * 1000)
+        return sorted(times)[len(times) // 2]
 
     def emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
               logprobs: list[list[float] | None], stats: SpecStats, k: int,

@@ -3,8 +3,8 @@
 At this model size launch overhead, not memory bandwidth, bounds a decode step; replaying a graph
 launches all its kernels at once. `GraphedForward` captures one model forward per (batch, tokens)
 shape. `GraphedSteps` captures a whole greedy step per (batch, K): the draft's K proposals, the
-target's forward over K+1 tokens, acceptance and the state's advance, with no gap between kernels and
-no Python in between; the one sync left is reading the step's tokens. On CPU (or with graphs off)
+target's forward over K+1 tokens, acceptance, an EAGLE-3 head's catch-up and the state's advance, with
+no gap between kernels and no Python in between; the one sync left is reading the step's tokens. On CPU (or with graphs off)
 the same calls run eagerly.
 """
 from __future__ import annotations
@@ -15,9 +15,16 @@ import torch
 from torch import Tensor
 
 from draftsmith.serve.model import Transformer
-from draftsmith.serve.proposers import DraftModel
+from draftsmith.serve.proposers import Proposer
 from draftsmith.serve.sampling import RowSampling, SamplingParams
-from draftsmith.serve.speculative import DecodeState, StepOutput, decode_step
+from draftsmith.serve.speculative import DecodeState, StepOutput, TargetForward, decode_step
+
+
+def target_forward(model: Transformer, hidden_layers: tuple[int, ...], fused: bool = False) -> TargetForward:
+    """The target's forward as decoding steps call it: (logits, hidden states entering `hidden_layers` or None)."""
+    if hidden_layers:
+        return lambda tokens, positions: model(tokens, positions, fused=fused, hidden_layers=hidden_layers)
+    return lambda tokens, positions: (model(tokens, positions, fused=fused), None)
 
 
 def record_graph(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -36,42 +43,51 @@ def record_graph(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, 
 
 
 class GraphedForward:
-    def __init__(self, model: Transformer, enabled: bool = True, compile_blocks: bool = True, max_tokens: int = 16):
+    """A model's forward, replayed from a CUDA graph per (batch, tokens) shape. A draft's returns logits;
+    a target's (hidden_layers given, maybe empty) returns what `target_forward` does."""
+
+    def __init__(self, model: Transformer, enabled: bool = True, compile_blocks: bool = True, max_tokens: int = 16,
+                 hidden_layers: tuple[int, ...] | None = None):
         self.model = model
         device = model.output.weight.device
         self.enabled = enabled and device.type == "cuda"
         if self.enabled and compile_blocks:  # graphs remove launch gaps; compiling removes launches
             model.compile_blocks()
         self.max_tokens = max_tokens  # longer inputs (prefill) run eagerly
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+        is_target = hidden_layers is not None
+        self.eager = target_forward(model, hidden_layers) if is_target else model
+        self.fused = target_forward(model, hidden_layers, fused=True) if is_target else lambda t, p: model(t, p, fused=True)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
 
     @torch.inference_mode()
-    def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
+    def __call__(self, tokens: Tensor, positions: Tensor):
         B, T = tokens.shape
         if not self.enabled or T > self.max_tokens:
-            return self.model(tokens, positions)
+            return self.eager(tokens, positions)
         entry = self.graphs.get((B, T)) or self._capture(B, T, tokens.device)
-        graph, static_tokens, static_positions, static_logits = entry
+        graph, static_tokens, static_positions, static_out = entry
         static_tokens.copy_(tokens)
         static_positions.copy_(positions)
         graph.replay()
-        return static_logits
+        return static_out
 
     def _capture(self, B: int, T: int, device: torch.device):
         static_tokens = torch.zeros(B, T, dtype=torch.long, device=device)
         # warm-up and capture write the cache's spare slot only
         static_positions = torch.full((B, T), self.model.max_seq_len, dtype=torch.long, device=device)
-        graph, static_logits = record_graph(lambda: self.model(static_tokens, static_positions, fused=True), self.pool)
-        self.graphs[(B, T)] = (graph, static_tokens, static_positions, static_logits)
+        graph, static_out = record_graph(lambda: self.fused(static_tokens, static_positions), self.pool)
+        self.graphs[(B, T)] = (graph, static_tokens, static_positions, static_out)
         return self.graphs[(B, T)]
 
 
 class GraphedSteps:
-    """Greedy decoding steps as CUDA graphs, one per (batch, K); K = 0 is a plain step."""
+    """Greedy decoding steps as CUDA graphs, one per (batch, K); K = 0 is a plain step. `proposer()`
+    makes the engine's proposer with compiled forwards (None without a draft)."""
 
-    def __init__(self, target: Transformer, draft: Transformer | None):
-        self.target, self.draft = target, draft
+    def __init__(self, target: Transformer, hidden_layers: tuple[int, ...], proposer: Callable[[], Proposer | None],
+                 hidden_size: int | None = None):
+        self.target, self.hidden_layers, self.proposer, self.hidden_size = target, hidden_layers, proposer, hidden_size
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeState, Tensor, StepOutput]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -87,17 +103,14 @@ class GraphedSteps:
 
     @torch.inference_mode()
     def capture(self, batch: int, k: int):
-        device = self.target.output.weight.device
+        weight = self.target.output.weight
         # warm-up and capture run inactive rows past the cache's end: every write lands in the spare slot
         # (positions clamp to it, the draft's re-read of `previous` included) and the state stays put
-        beyond = self.target.max_seq_len + 1
-        state = DecodeState(lengths=torch.full((batch,), beyond, dtype=torch.long, device=device),
-                            pending=torch.zeros(batch, dtype=torch.long, device=device),
-                            previous=torch.zeros(batch, dtype=torch.long, device=device))
-        active = torch.zeros(batch, dtype=torch.bool, device=device)
-        rows = RowSampling.of([SamplingParams()] * batch, device)  # greedy: no generator, no distributions
-        target = lambda tokens, positions: self.target(tokens, positions, fused=True)
-        proposer = DraftModel(lambda tokens, positions: self.draft(tokens, positions, fused=True)) if k else None
+        state = DecodeState.idle(batch, self.target.max_seq_len + 1, weight.device, self.hidden_size, weight.dtype)
+        active = torch.zeros(batch, dtype=torch.bool, device=weight.device)
+        rows = RowSampling.of([SamplingParams()] * batch, weight.device)  # greedy: no generator, no distributions
+        target = target_forward(self.target, self.hidden_layers, fused=True)
+        proposer = self.proposer()
         graph, out = record_graph(lambda: decode_step(target, proposer, state, active, k, rows, None), self.pool)
         self.graphs[(batch, k)] = (graph, state, active, out)
         return self.graphs[(batch, k)]

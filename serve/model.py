@@ -138,33 +138,42 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, in_features: int | None = None):
         super().__init__()
         self.args = args
         q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.wqkv = nn.Linear(args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)  # q, k, v fused
+        # q, k, v fused; an EAGLE-3 head's first layer reads 2 x hidden_size (token embedding, hidden state)
+        self.wqkv = nn.Linear(in_features or args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
         self.cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
-                read: Tensor | None = None) -> Tensor:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, T, H, D], and k, v [B, T, H_kv, D], rotated."""
         B, T, _ = x.shape
         a = self.args
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         q, k, v = self.wqkv(x).split([q_out, kv_out, kv_out], dim=-1)
-        q = q.view(B, T, a.num_heads, a.head_dim)  # [B, T, H, D]
-        k = k.view(B, T, a.num_kv_heads, a.head_dim)  # [B, T, H_kv, D]
+        q = q.view(B, T, a.num_heads, a.head_dim)
+        k = k.view(B, T, a.num_kv_heads, a.head_dim)
         v = v.view(B, T, a.num_kv_heads, a.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        assert self.cache is not None, "call Transformer.setup_cache first"
-        keys, values = self.cache.update(rows, slots, k, v, read)  # [B, H_kv, S, D]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """q [B, T, H, D] over keys, values [B, H_kv, S, D] with mask [B or 1, 1, T, S] -> [B, T, hidden]."""
+        B, T = q.shape[:2]
         if T <= GROUPED_ATTENTION_MAX_TOKENS and torch.compiler.is_compiling():  # compiled decode and verify
             y = grouped_attention(q.transpose(1, 2), keys, values, mask)
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                               enable_gqa=a.num_heads != a.num_kv_heads)  # [B, H, T, D]
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_out))
+                                               enable_gqa=self.args.num_heads != self.args.num_kv_heads)  # [B, H, T, D]
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
+                read: Tensor | None = None) -> Tensor:
+        q, k, v = self.project(x, cos, sin)
+        assert self.cache is not None, "call setup_cache first"
+        keys, values = self.cache.update(rows, slots, k, v, read)  # [B, H_kv, S, D]
+        return self.attend(q, keys, values, mask)
 
 
 # Decode steps read 1 to K+1 tokens per row. On an H200 (evaluate/profile_step.py), torch's fused attention
@@ -216,7 +225,59 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
+@dataclass
+class Placement:
+    """Where a forward's tokens sit: cache rows and slots [B, T], rope tables [B, T, 1, D] and the
+    attention mask [B, 1, T, S] (a query at position p sees slots 0..p)."""
+    rows: Tensor
+    slots: Tensor
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor
+    read: Tensor | None  # the cache rows attended over (None: 0..B-1)
+
+
+class CachedModel(nn.Module):
+    """A stack of attention layers over a static KV cache indexed by position: the target and draft
+    decoders (Transformer) and the EAGLE-3 head (serve/eagle.py)."""
+    args: ModelArgs
+    max_batch_size: int = 0
+    max_seq_len: int = 0
+
+    def attention_layers(self) -> list[Attention]:
+        raise NotImplementedError
+
+    def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate the static KV cache. One spare slot takes the writes of padding positions."""
+        if self.args.sliding_window is not None and max_seq_len > self.args.sliding_window:
+            raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the model's sliding window "
+                                        f"{self.args.sliding_window}, which the runtime does not implement")
+        weight = next(self.parameters())
+        slots = max_seq_len + 1
+        for attention in self.attention_layers():
+            attention.cache = KVCache(max_batch_size, self.args.num_kv_heads, slots, self.args.head_dim,
+                                      weight.dtype, weight.device)
+        inv_freq = rope_inv_freq(self.args).to(weight.device)
+        freqs = torch.outer(torch.arange(slots, device=weight.device, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
+        self.register_buffer("rope_cos", emb.cos().to(weight.dtype), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().to(weight.dtype), persistent=False)
+        self.register_buffer("slot_ids", torch.arange(slots, device=weight.device), persistent=False)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def place(self, positions: Tensor, cache_rows: Tensor | None = None) -> Placement:
+        # positions [B, T]; positions past max_seq_len are padding. cache_rows [B]: the KV cache rows of
+        # the B sequences (None: rows 0..B-1); the scheduler prefills a joining request into its own row
+        B, T = positions.shape
+        slots = positions.clamp(max=self.max_seq_len)  # padding writes land in the spare slot
+        row_ids = torch.arange(B, device=positions.device) if cache_rows is None else cache_rows
+        mask = (self.slot_ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1))  # [B, 1, T, S]
+        mask = mask & (self.slot_ids.view(1, 1, 1, -1) < self.max_seq_len)
+        return Placement(row_ids.unsqueeze(1).expand(B, T), slots, self.rope_cos[slots].unsqueeze(2),
+                         self.rope_sin[slots].unsqueeze(2), mask, cache_rows)
+
+
+class Transformer(CachedModel):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -226,9 +287,11 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.max_batch_size = 0
-        self.max_seq_len = 0
         self.fused_block = None  # torch.compile'd _run_block, shared by every layer (see compile_blocks)
+        self.vocab: Tensor | None = None  # [V']: the token ids a draft proposes from (see use_vocab)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.attention for layer in self.layers]
 
     def compile_blocks(self) -> None:
         """Fuse each block's many small kernels with torch.compile. Every layer runs the same compiled
@@ -239,46 +302,32 @@ class Transformer(nn.Module):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         self.fused_block = torch.compile(_run_block, fullgraph=True, dynamic=False)
 
-    def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocate the static KV cache. One spare slot takes the writes of padding positions."""
-        if self.args.sliding_window is not None and max_seq_len > self.args.sliding_window:
-            raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the model's sliding window "
-                                        f"{self.args.sliding_window}, which the runtime does not implement")
-        weight = self.output.weight
-        slots = max_seq_len + 1
-        for layer in self.layers:
-            layer.attention.cache = KVCache(max_batch_size, self.args.num_kv_heads, slots, self.args.head_dim,
-                                            weight.dtype, weight.device)
-        inv_freq = rope_inv_freq(self.args).to(weight.device)
-        freqs = torch.outer(torch.arange(slots, device=weight.device, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
-        self.register_buffer("rope_cos", emb.cos().to(weight.dtype), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().to(weight.dtype), persistent=False)
-        self.register_buffer("slot_ids", torch.arange(slots, device=weight.device), persistent=False)
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+    def use_vocab(self, token_ids: Tensor) -> None:
+        """Compute logits over these token ids only (a draft's frequent tokens: a cheaper LM head);
+        forward then returns [B, T, V'] in this order."""
+        self.vocab = token_ids.to(self.output.weight.device)
+        self.vocab_head = self.output.weight[self.vocab].clone()  # [V', hidden]
 
     def forward(self, tokens: Tensor, positions: Tensor, fused: bool = False, logits_at: Tensor | None = None,
-                cache_rows: Tensor | None = None) -> Tensor:
+                cache_rows: Tensor | None = None, hidden_layers: tuple[int, ...] = ()) -> Tensor | tuple[Tensor, Tensor]:
         # tokens, positions: [B, T] with B <= max_batch_size; positions past max_seq_len are padding.
         # fused: run the compiled blocks (fixed decode shapes only: each new shape compiles again).
         # logits_at [B, T']: indices into T whose logits are wanted (prefill needs only the last one)
-        # cache_rows [B]: the KV cache rows of the B sequences (None: rows 0..B-1); the scheduler
-        # prefills a joining request into its own row this way
-        B, T = tokens.shape
-        slots = positions.clamp(max=self.max_seq_len)  # padding writes land in the spare slot
-        row_ids = torch.arange(B, device=tokens.device) if cache_rows is None else cache_rows
-        rows = row_ids.unsqueeze(1).expand(B, T)
-        cos = self.rope_cos[slots].unsqueeze(2)  # [B, T, 1, D]
-        sin = self.rope_sin[slots].unsqueeze(2)
-        mask = (self.slot_ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1))  # [B, 1, T, S]
-        mask = mask & (self.slot_ids.view(1, 1, 1, -1) < self.max_seq_len)
+        # hidden_layers: also return the hidden states entering these layers, concatenated [B, T, n * hidden]
+        # (what an EAGLE-3 head reads; vLLM's aux hidden state layer ids mean the same)
+        at = self.place(positions, cache_rows)
         x = self.tok_embeddings(tokens)  # [B, T, hidden]
         run = self.fused_block if fused and self.fused_block is not None else _run_block
-        for layer in self.layers:
-            x = run(layer, x, cos, sin, mask, rows, slots, cache_rows)
+        entering = {}
+        for i, layer in enumerate(self.layers):
+            if i in hidden_layers:
+                entering[i] = x
+            x = run(layer, x, at.cos, at.sin, at.mask, at.rows, at.slots, at.read)
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, T', hidden]
-        return self.output(self.norm(x))  # [B, T or T', V]
+        x = self.norm(x)
+        logits = self.output(x) if self.vocab is None else F.linear(x, self.vocab_head)  # [B, T or T', V or V']
+        return (logits, torch.cat([entering[i] for i in hidden_layers], dim=-1)) if hidden_layers else logits
 
 
 def _run_block(layer: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,

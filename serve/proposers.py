@@ -2,8 +2,11 @@
 
 A proposer returns the K tokens it proposes for each row [B, K] and the distributions they were drawn
 from [B, K, V] (None when the whole batch is greedy, whose verification needs only the tokens).
-`DraftModel` runs a small LM; `PromptLookup` copies what followed the last earlier occurrence of the
-sequence's final n-gram (prompt lookup decoding), at no model cost.
+`DraftModel` runs a small LM; `EagleHead` an EAGLE-3 head on the target's hidden states;
+`PromptLookup` copies what followed the last earlier occurrence of the sequence's final n-gram (prompt
+lookup decoding), at no model cost. A model proposer may draw from a subset of the vocabulary (its
+frequent tokens: a cheaper LM head); a token outside it is simply never proposed, and at T > 0 its
+distribution is renormalised over the subset, so verification stays exact.
 """
 from __future__ import annotations
 
@@ -12,8 +15,10 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor
 
+from draftsmith.serve.eagle import EagleHead
+from draftsmith.serve.model import Transformer
 from draftsmith.serve.sampling import RowSampling, probabilities, sample
-from draftsmith.serve.speculative import DecodeState, Forward
+from draftsmith.serve.speculative import DecodeState, Forward, StepOutput
 
 
 class Proposer(Protocol):
@@ -22,12 +27,33 @@ class Proposer(Protocol):
     def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: torch.Generator | None,
                 histories: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor | None]: ...
 
+    def prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, first: Tensor, target_hidden: Tensor | None,
+                cache_rows: Tensor | None) -> Tensor | None:
+        """Read the prompts (tokens, positions [B, T], right-padded to `lengths`; `first` [B] the token
+        sampled after them); returns the state's draft_hidden (None when it keeps none)."""
+
+    def follow(self, state: DecodeState, out: StepOutput) -> Tensor | None:
+        """After the target's forward in a step: the state's next draft_hidden (None when it keeps none)."""
+
+
+def draw(logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSampling,
+         generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    """One proposal per row from logits [B, 1, V'] over `vocab` (target ids; None: the whole vocabulary):
+    the tokens [B, 1] as target ids, and the distributions [B, 1, V] they were drawn from (None if greedy)."""
+    if rows.all_greedy:
+        best = logits.argmax(-1)
+        return (best if vocab is None else vocab[best]), None
+    if vocab is not None:  # outside the subset: probability 0
+        logits = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, vocab, logits)
+    q = probabilities(logits, rows)  # [B, 1, V]
+    return sample(q, generator), q
+
 
 class DraftModel:
     reads_history = False
 
-    def __init__(self, forward: Forward):
-        self.forward = forward
+    def __init__(self, model: Transformer, forward: Forward, vocab_size: int):
+        self.model, self.forward, self.vocab_size = model, forward, vocab_size  # forward: model's, maybe graphed
 
     def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: torch.Generator | None,
                 histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
@@ -36,15 +62,57 @@ class DraftModel:
         logits = self.forward(torch.stack([state.previous, state.pending], dim=1), torch.cat([positions - 1, positions], dim=1))
         tokens, probs = [], []
         for i in range(k):
-            if rows.all_greedy:
-                tokens.append(logits[:, -1:].argmax(-1))  # [B, 1]
-            else:
-                q = probabilities(logits[:, -1:], rows)  # [B, 1, V]
-                tokens.append(sample(q, generator))
+            token, q = draw(logits[:, -1:], self.model.vocab, self.vocab_size, rows, generator)
+            tokens.append(token)
+            if q is not None:
                 probs.append(q)
             if i + 1 < k:
-                logits = self.forward(tokens[-1], positions + i + 1)
+                logits = self.forward(token, positions + i + 1)
         return torch.cat(tokens, dim=1), (torch.cat(probs, dim=1) if probs else None)
+
+    def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> None:
+        self.model(tokens, positions, cache_rows=cache_rows)
+
+    def follow(self, state: DecodeState, out: StepOutput) -> None:
+        return None
+
+
+class EagleProposer:
+    """An EAGLE-3 head: proposals from the head's hidden state for the position before `pending`
+    (state.draft_hidden), each next one from the head's own output; after the target's forward the
+    head reads the positions the target read, with their hidden states (serve/eagle.py)."""
+    reads_history = False
+
+    def __init__(self, head: EagleHead, embeddings: torch.nn.Embedding, fused: bool = False):
+        self.head, self.embeddings, self.fused = head, embeddings, fused
+
+    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: torch.Generator | None,
+                histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
+        hidden = state.draft_hidden.unsqueeze(1)  # [B, 1, hidden]: the entry of position lengths - 1
+        tokens, probs = [], []
+        for i in range(k):
+            token, q = draw(self.head.logits(hidden), self.head.vocab, self.head.args.vocab_size, rows, generator)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if i + 1 < k:  # the entry of position lengths + i reads the token just proposed for lengths + i + 1
+                positions = (state.lengths + i).unsqueeze(1)
+                hidden = self.head(self.embeddings(token), hidden, positions, fused=self.fused)
+        return torch.cat(tokens, dim=1), (torch.cat(probs, dim=1) if probs else None)
+
+    def prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, first: Tensor, target_hidden: Tensor,
+                cache_rows: Tensor | None) -> Tensor:
+        # the entry of position t reads the token at t + 1: the prompt shifted left, then the first sampled token
+        following = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1).scatter(1, (lengths - 1).unsqueeze(1), first.unsqueeze(1))
+        hidden = self.head(self.embeddings(following), self.head.fc(target_hidden), positions, cache_rows=cache_rows)
+        return hidden.gather(1, (lengths - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])).squeeze(1)  # [B, hidden]
+
+    def follow(self, state: DecodeState, out: StepOutput) -> Tensor:
+        # the entries of the positions the target read, lengths .. lengths + K: each reads the token the
+        # step emitted after it (right where it was accepted; its successors are rewritten next step)
+        positions = state.lengths.unsqueeze(1) + torch.arange(out.tokens.shape[1], device=out.tokens.device)
+        hidden = self.head(self.embeddings(out.tokens), self.head.fc(out.target_hidden), positions, fused=self.fused)
+        return hidden.gather(1, out.num_accepted.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])).squeeze(1)
 
 
 def lookup(history: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -73,3 +141,9 @@ class PromptLookup:
             return tokens, None
         # a deterministic proposal is a draw from a one-hot q: kept with probability p(token)
         return tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, K, V]
+
+    def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> None:
+        return None
+
+    def follow(self, state: DecodeState, out: StepOutput) -> None:
+        return None

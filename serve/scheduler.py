@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from draftsmith.evaluate.cost import expected_tokens, time_forward
+from draftsmith.evaluate.cost import expected_tokens
 from draftsmith.serve.engine import Completion, Engine, EngineError
 from draftsmith.serve.sampling import RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState
@@ -50,13 +50,12 @@ class Running:
 
 @dataclass
 class StepCostTable:
-    """Milliseconds per forward on this device, by batch size: the target over T tokens, the draft over 1."""
-    target_ms: dict[tuple[int, int], float]
-    draft_ms: dict[int, float]
+    """Milliseconds per whole greedy step on this device, by (batch size, K); K = 0 is a plain step."""
+    step_ms: dict[tuple[int, int], float]
 
     def best_k(self, batch: int, alphas: list[float], max_k: int) -> int:
         """The K (0..max_k) with the most expected tokens per millisecond for these rows."""
-        rate = lambda k: sum(expected_tokens(a, k) for a in alphas) / (k * self.draft_ms[batch] + self.target_ms[(batch, k + 1)])
+        rate = lambda k: sum(expected_tokens(a, k) for a in alphas) / self.step_ms[(batch, k)]
         return max(range(max_k + 1), key=rate)  # ties go to the smaller K
 
 
@@ -78,8 +77,7 @@ class Scheduler:
         self.generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
         size = engine.max_batch_size
         self.rows: list[Running | None] = [None] * size
-        zeros = lambda: torch.zeros(size, dtype=torch.long, device=engine.device)
-        self.state = DecodeState(lengths=zeros() + 1, pending=zeros(), previous=zeros())  # empty rows: 1 token in
+        self.state = engine.idle_state(size)  # empty rows sit past the cache's end until a request joins
         self.waiting: deque[Request] = deque()
         self.costs: StepCostTable | None = None
         self.plain_steps = 0
@@ -104,20 +102,19 @@ class Scheduler:
 
     # -- the engine's thread ----------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Time the target over 1..K+1 tokens and the draft over 1 at every batch bucket (on a GPU this
-        also captures each shape's CUDA graph and each greedy step's), before any request is admitted."""
+        """Time a whole greedy step at every batch bucket and K = 0..max (on a GPU this captures each
+        step's CUDA graph), and capture the forwards that sampled steps replay, before any request is admitted."""
         e = self.engine
         buckets = sorted({bucket(n, e.max_batch_size) for n in range(1, e.max_batch_size + 1)})
-        target = {(b, t): time_forward(e.target_forward, b, t, e.device, repeats=3) for b in buckets for t in range(1, self.max_k + 2)}
-        draft = {b: time_forward(e.draft_forward, b, 1, e.device, repeats=3) if e.draft_forward else 0.0 for b in buckets}
-        if e.draft_forward and self.max_k > 0:
-            for b in buckets:  # the draft's first forward of a step reads 2 tokens: capture that shape too
-                time_forward(e.draft_forward, b, 2, e.device, repeats=1)
-        if e.step_graphs is not None:  # greedy steps run as whole-step graphs: capture each K's now
+        self.costs = StepCostTable({(b, k): e.time_step(b, k) for b in buckets for k in range(self.max_k + 1)})
+        if e.target_forward.enabled:  # sampled steps run forward by forward: capture those shapes too
+            tokens = lambda b, t: torch.zeros(b, t, dtype=torch.long, device=e.device)
             for b in buckets:
-                for k in range(self.max_k + 1):
-                    e.step_graphs.capture(b, k)
-        self.costs = StepCostTable(target, draft)
+                for t in range(1, self.max_k + 2):
+                    e.target_forward(tokens(b, t), tokens(b, t) + e.max_seq_len)
+                if e.draft_forward is not None and self.max_k > 0:
+                    for t in (1, 2):  # a draft model's first forward of a step reads 2 tokens
+                        e.draft_forward(tokens(b, t), tokens(b, t) + e.max_seq_len)
 
     def serve_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -152,7 +149,7 @@ class Scheduler:
         running = self.rows[:n]
         k = self._choose_k(n, [r.alpha for r in running if r is not None])
         rows = self._row_sampling(running)
-        state = DecodeState(self.state.lengths[:n], self.state.pending[:n], self.state.previous[:n])  # views: advance in place
+        state = self.state.rows(n)  # views: they advance in place
         active_rows = [r is not None for r in running]
         active = torch.tensor(active_rows, device=self.engine.device)
         out = self.engine.step(state, active, k, rows, self.generator, self.engine.draft_proposer)
@@ -208,7 +205,7 @@ class Scheduler:
             first = state.pending.tolist()
             if stop.append(first):
                 request.on_tokens(first)
-            self.state.lengths[row], self.state.pending[row], self.state.previous[row] = state.lengths[0], state.pending[0], state.previous[0]
+            self.state.set_row(row, state)
             self.rows[row] = Running(request, stop, self.prior_alpha)
             if stop.finish_reason is not None:
                 self._finish(row)

@@ -2,12 +2,14 @@
 
 State per row: `lengths` tokens are in the target's cache; `pending` is the last emitted token, not
 yet fed to the target (it sits at position `lengths`); `previous` is the token at `lengths - 1`.
-The draft re-reads `previous` with `pending` in its first forward, so its cache is complete whether
-or not the last step accepted every draft token, and every step has the same shapes.
+A draft model re-reads `previous` with `pending` in its first forward, so its cache is complete whether
+or not the last step accepted every draft token, and every step has the same shapes. An EAGLE-3 head
+instead catches up after the target's forward (`Proposer.follow`) and keeps its hidden state for the
+position before `pending` in `draft_hidden`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
 
 # (tokens [B, T], positions [B, T]) -> logits [B, T, V]
 Forward = Callable[[Tensor, Tensor], Tensor]
+# the target's: logits [B, T, V] and the hidden states an EAGLE-3 head reads [B, T, F] (None without a head)
+TargetForward = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
 
 
 @dataclass
@@ -28,8 +32,10 @@ class DecodeState:
     lengths: Tensor  # [B]
     pending: Tensor  # [B]
     previous: Tensor  # [B]
+    draft_hidden: Tensor | None = None  # [B, hidden]: an EAGLE-3 head's output at position lengths - 1
 
-    def advance(self, active: Tensor, num_accepted: Tensor, fed: Tensor, emitted: Tensor) -> None:
+    def advance(self, active: Tensor, num_accepted: Tensor, fed: Tensor, emitted: Tensor,
+                draft_hidden: Tensor | None = None) -> None:
         """Move active rows past their accepted tokens, in place (a state of views into a larger batch
         advances that batch); finished rows stay where they are.
         fed [B, K+1]: the tokens the target read this step; emitted [B, K+1]: the step's output."""
@@ -38,10 +44,33 @@ class DecodeState:
         self.lengths.copy_(torch.where(active, self.lengths + num_accepted + 1, self.lengths))
         self.previous.copy_(torch.where(active, previous, self.previous))
         self.pending.copy_(torch.where(active, pending, self.pending))
+        if draft_hidden is not None:
+            self.draft_hidden.copy_(torch.where(active.unsqueeze(1), draft_hidden, self.draft_hidden))
 
     def copy_(self, other: "DecodeState") -> None:
-        for mine, theirs in ((self.lengths, other.lengths), (self.pending, other.pending), (self.previous, other.previous)):
-            mine.copy_(theirs)
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine is not None:
+                mine.copy_(theirs)
+
+    def set_row(self, row: int, other: "DecodeState", source: int = 0) -> None:
+        """Row `row` of this state becomes row `source` of `other` (a prefilled request joining a batch)."""
+        for f in fields(self):
+            if (mine := getattr(self, f.name)) is not None:
+                mine[row] = getattr(other, f.name)[source]
+
+    @classmethod
+    def idle(cls, batch: int, beyond: int, device: torch.device, hidden_size: int | None = None,
+             dtype: torch.dtype = torch.float32) -> "DecodeState":
+        """Rows parked at position `beyond` (past the cache's end, so every write lands in its spare slot):
+        what graph capture and step timing run on."""
+        zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)
+        hidden = torch.zeros(batch, hidden_size, dtype=dtype, device=device) if hidden_size else None
+        return cls(zeros() + beyond, zeros(), zeros(), hidden)
+
+    def rows(self, n: int) -> "DecodeState":
+        """Views of the first n rows: advancing them advances this state."""
+        return DecodeState(*(None if (t := getattr(self, f.name)) is None else t[:n] for f in fields(self)))
 
 
 @dataclass
@@ -49,9 +78,10 @@ class StepOutput:
     num_accepted: Tensor  # [B], 0 for a plain step
     tokens: Tensor  # [B, K+1]: tokens[:, :num_accepted + 1] are emitted
     target_logits: Tensor  # [B, K+1, V], for logprobs
+    target_hidden: Tensor | None = None  # [B, K+1, F]: what an EAGLE-3 head reads of the positions the target read
 
 
-def speculative_step(target: Forward, proposer: "Proposer", state: DecodeState, k: int, rows: RowSampling,
+def speculative_step(target: TargetForward, proposer: "Proposer", state: DecodeState, k: int, rows: RowSampling,
                      generator: torch.Generator | None, verify: Verifier = rejection_sample,
                      histories: Sequence[Sequence[int]] = ()) -> StepOutput:
     """Propose K tokens, score K+1 positions in one target forward, keep what the verifier accepts.
@@ -59,25 +89,25 @@ def speculative_step(target: Forward, proposer: "Proposer", state: DecodeState, 
     draft_tokens, draft_probs = proposer.propose(state, k, rows, generator, histories)  # [B, K], [B, K, V]
     fed = torch.cat([state.pending.unsqueeze(1), draft_tokens], dim=1)  # [B, K+1]
     positions = state.lengths.unsqueeze(1) + torch.arange(k + 1, device=fed.device)  # [B, K+1]
-    target_logits = target(fed, positions)  # [B, K+1, V]: all K+1 positions in one forward
+    target_logits, hidden = target(fed, positions)  # [B, K+1, V]: all K+1 positions in one forward
     if draft_probs is None:  # greedy: keep drafts while they equal the target's argmax, which also
         target_tokens = target_logits.argmax(-1)  # gives the correction or bonus token  [B, K+1]
         num_accepted = (draft_tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum(dim=1)
-        return StepOutput(num_accepted, target_tokens, target_logits)
+        return StepOutput(num_accepted, target_tokens, target_logits, hidden)
     num_accepted, tokens = verify(draft_tokens, draft_probs, probabilities(target_logits, rows), generator)
-    return StepOutput(num_accepted, tokens, target_logits)
+    return StepOutput(num_accepted, tokens, target_logits, hidden)
 
 
-def plain_step(target: Forward, state: DecodeState, rows: RowSampling, generator: torch.Generator | None) -> StepOutput:
-    target_logits = target(state.pending.unsqueeze(1), state.lengths.unsqueeze(1))  # [B, 1, V]
+def plain_step(target: TargetForward, state: DecodeState, rows: RowSampling, generator: torch.Generator | None) -> StepOutput:
+    target_logits, hidden = target(state.pending.unsqueeze(1), state.lengths.unsqueeze(1))  # [B, 1, V]
     if rows.all_greedy:  # the one-hot distribution's sample is the argmax: skip building it
         tokens = target_logits.argmax(-1)  # [B, 1]
     else:
         tokens = sample(probabilities(target_logits, rows), generator)
-    return StepOutput(torch.zeros_like(state.lengths), tokens, target_logits)
+    return StepOutput(torch.zeros_like(state.lengths), tokens, target_logits, hidden)
 
 
-def decode_step(target: Forward, proposer: "Proposer | None", state: DecodeState, active: Tensor, k: int,
+def decode_step(target: TargetForward, proposer: "Proposer | None", state: DecodeState, active: Tensor, k: int,
                 rows: RowSampling, generator: torch.Generator | None, verify: Verifier = rejection_sample,
                 histories: Sequence[Sequence[int]] = ()) -> StepOutput:
     """One step, speculative (K > 0) or plain, then the `active` rows of `state` advance past what it kept."""
@@ -85,7 +115,8 @@ def decode_step(target: Forward, proposer: "Proposer | None", state: DecodeState
         out = speculative_step(target, proposer, state, k, rows, generator, verify, histories)
     else:
         out = plain_step(target, state, rows, generator)
-    state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens)
+    draft_hidden = proposer.follow(state, out) if proposer is not None else None
+    state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens, draft_hidden)
     return out
 
 

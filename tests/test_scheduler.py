@@ -56,7 +56,8 @@ def test_adaptive_k_speculates_with_a_good_draft_and_stops_with_a_useless_one(ti
     target_dir, _ = tiny_models["llama"]
     prompts = random_prompts(8, 97, seed=2)
     params = SamplingParams(max_new_tokens=24)
-    costs = StepCostTable(target_ms={(b, t): 10.0 + t for b in (1, 2, 4) for t in range(1, 6)}, draft_ms={1: 1.0, 2: 1.0, 4: 1.0})
+    # a step of K drafts: K draft forwards of 1 ms and a target forward over K+1 tokens of 11 + K ms
+    costs = StepCostTable({(b, k): 11.0 + 2 * k for b in (1, 2, 4) for k in range(5)})
     expected = [c.tokens for c in engine_of(target_dir, target_dir, 4).generate(prompts[:4], params).completions]
 
     same = Scheduler(engine_of(target_dir, target_dir, 4), num_speculative_tokens=4)  # the target as its own draft
@@ -84,12 +85,13 @@ def test_adaptive_k_speculates_with_a_good_draft_and_stops_with_a_useless_one(ti
 
 
 def test_best_k_follows_the_cost_model():
-    costs = StepCostTable(target_ms={(1, t): 10.0 + 2 * t for t in range(1, 10)}, draft_ms={1: 1.0})
+    target_ms = lambda k: 10.0 + 2 * (k + 1)  # the target over K+1 tokens
+    costs = StepCostTable({(1, k): k * 1.0 + target_ms(k) for k in range(9)})
     assert costs.best_k(1, [0.0], 8) == 0  # nothing accepted: plain decoding is fastest
     assert costs.best_k(1, [0.99], 8) == 8
     middling = costs.best_k(1, [0.6], 8)
     assert 1 <= middling < 8
-    expensive = StepCostTable(target_ms=costs.target_ms, draft_ms={1: 12.0})
+    expensive = StepCostTable({(1, k): k * 12.0 + target_ms(k) for k in range(9)})
     assert expensive.best_k(1, [0.6], 8) == 0  # a draft step as dear as the target's never pays
     assert [bucket(n, 12) for n in (1, 2, 3, 5, 9, 12)] == [1, 2, 4, 8, 12, 12]
 
