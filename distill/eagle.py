@@ -25,9 +25,8 @@ from torch import Tensor, nn
 from draftsmith.distill import losses
 from draftsmith.serve.eagle import EagleHead, HeadShape, default_aux_layers, layer_config_of
 from draftsmith.serve.model import ModelArgs
+from draftsmith.serve.proposers import VOCAB_FILE
 from draftsmith.serve.weights import read_config
-
-VOCAB_FILE = "draft_vocab.json"
 
 
 class EagleConfigError(ValueError):
@@ -57,11 +56,6 @@ def coverage(token_lists: Iterable[list[int]], vocab: list[int]) -> float:
 
 def write_vocab(out_dir: Path, vocab: list[int], covered: float) -> None:
     (out_dir / VOCAB_FILE).write_text(json.dumps({"size": len(vocab), "coverage": covered, "token_ids": vocab}))
-
-
-def read_vocab(directory: Path) -> list[int] | None:
-    path = directory / VOCAB_FILE
-    return json.loads(path.read_text())["token_ids"] if path.is_file() else None
 
 
 def resolve_aux_layers(configured: list[int], num_target_layers: int) -> tuple[int, ...]:

@@ -1,18 +1,199 @@
-"""Acceptance measured through the engine's own speculative loop, per proposer, temperature and K.
+"""Acceptance of every proposer at every K from one teacher-forced pass, and the engine run that checks it.
 
-A `Measurement` is one engine run over the held-out prompts: its spec counters (alpha, tau,
-acceptance per position) are reproducible for the same inputs and seed; its seconds are not.
+At T = 0 the output is the target's greedy text whatever the proposer and K, and a draft that has
+agreed so far has seen exactly the target's tokens. So per held-out prompt, one greedy continuation of
+the target (max_new_tokens + K_max tokens, EOS not honoured: the last step may look past the end) and
+one teacher-forced pass of a proposer over it say, for every point m where a step may start (m tokens
+emitted, the m-th pending), whether each of the next K_max drafts would be accepted. Replaying the
+engine's steps over that (`replay`: stops at EOS and max_new_tokens as the engine does) gives alpha, tau
+and acceptance by position for every K exactly as the engine counts them. At T > 0 the same pass over
+target-sampled text gives each draft's acceptance probability, sum_v min(p(v), q(v)) = 1 - TVD
+(Leviathan et al.), and the replay becomes an expectation over where steps start.
+
+Where the j-th draft of a step starting at m is verified: against the target's distribution at position
+u = L + m + j - 2 (L prompt tokens), whose token is u + 1. A draft model's proposal there is its
+teacher-forced prediction at u; an EAGLE-3 head's is its unrolled step j - 1 at entry L + m - 2 (it
+feeds on its own hidden states, so it is unrolled from every position at once, serve/eagle.py);
+prompt lookup's is a function of the text so far.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
+import torch
+from torch import Tensor
+
+from draftsmith.serve.eagle import EagleHead
 from draftsmith.serve.engine import Engine
-from draftsmith.serve.proposers import Proposer
-from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.model import Transformer
+from draftsmith.serve.proposers import Proposer, full_vocab_logits, lookup
+from draftsmith.serve.sampling import RowSampling, SamplingParams, probabilities
 from draftsmith.serve.stats import SpecStats
 
+
+@dataclass
+class Reference:
+    prompt: list[int]
+    tokens: list[int]  # the target's continuation y_1 .. y_(N + K_max), EOS not honoured
+    end: int  # steps start at m = 1 .. end: before EOS and max_new_tokens end the sequence
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+def references(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, k_max: int) -> list[Reference]:
+    """The target's continuation of each prompt (plain decoding, `engine.max_batch_size` at a time)."""
+    n = params.max_new_tokens
+    longer = replace(params, max_new_tokens=n + k_max, ignore_eos=True)
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.eos_token_ids))
+    refs = []
+    for i in range(0, len(prompts), engine.max_batch_size):
+        for c in engine.generate(prompts[i:i + engine.max_batch_size], longer).completions:
+            stop = next((m for m, t in enumerate(c.tokens, 1) if t in stops), None)  # the m-th token ends it
+            refs.append(Reference(list(c.prompt_tokens), c.tokens, min(n, stop or n) - 1))
+    return refs
+
+
+def replay(accept: np.ndarray, end: int, k: int) -> tuple[float, float, np.ndarray]:
+    """The engine's steps with K drafts over one sequence, whose j-th draft from a step at m is accepted
+    with probability accept[m, j] (0 or 1 at T = 0): expected (steps, accepted drafts, accepted per position)."""
+    reach = np.zeros(end + k + 2)  # P(a step starts at m)
+    reach[1] = 1.0
+    steps, accepted, by_position = 0.0, 0.0, np.zeros(k)
+    for m in range(1, end + 1):
+        if reach[m] == 0:
+            continue
+        at_least = np.cumprod(accept[m, 1:k + 1])  # P(n >= j), j = 1..K
+        steps += reach[m]
+        by_position += reach[m] * at_least
+        accepted += reach[m] * at_least.sum()
+        reach[m + 1:m + k + 2] += reach[m] * (np.append(1.0, at_least) - np.append(at_least, 0.0))  # P(n = 0..K)
+    return steps, accepted, by_position
+
+
+@dataclass
+class Computed:
+    """Expected engine counters of one proposer at one temperature and K over the references."""
+    proposer: str
+    temperature: float
+    k: int
+    steps: float
+    accepted: float
+    by_position: list[float]
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.k * self.steps) if self.steps else 0.0
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"proposer": self.proposer, "temperature": self.temperature, "k": self.k, "alpha": self.alpha,
+                "tau": self.tau, "acceptance_by_position": [a / self.steps if self.steps else 0.0 for a in self.by_position],
+                "num_drafts": self.steps, "num_draft_tokens": self.k * self.steps, "num_accepted_tokens": self.accepted}
+
+
+def computed_rows(name: str, temperature: float, accepts: list[np.ndarray], refs: list[Reference], k_max: int) -> list[Computed]:
+    rows = []
+    for k in range(1, k_max + 1):
+        steps, accepted, by_position = 0.0, 0.0, np.zeros(k)
+        for accept, ref in zip(accepts, refs):
+            s, a, b = replay(accept, ref.end, k)
+            steps, accepted, by_position = steps + s, accepted + a, by_position + b
+        rows.append(Computed(name, temperature, k, steps, accepted, by_position.tolist()))
+    return rows
+
+
+# -- per-draft acceptance of each proposer ----------------------------------------------------------------
+
+def _padded(refs: list[Reference], device: torch.device) -> tuple[Tensor, Tensor]:
+    longest = max(len(r.sequence) for r in refs)
+    tokens = torch.zeros(len(refs), longest, dtype=torch.long, device=device)
+    for i, r in enumerate(refs):
+        tokens[i, :len(r.sequence)] = torch.tensor(r.sequence, device=device)
+    return tokens, torch.arange(longest, device=device).expand(len(refs), longest)
+
+
+def _agreement(proposal_logits: Tensor, vocab: Tensor | None, vocab_size: int, target_logits: Tensor, following: Tensor,
+               rows: RowSampling, greedy: bool) -> Tensor:
+    """Per position [B, T]: at T = 0 whether the proposal (argmax) equals the following token; at T > 0
+    the probability that a draw from the proposer's distribution is accepted, sum_v min(p(v), q(v))."""
+    if greedy:
+        best = proposal_logits.argmax(-1)
+        return ((best if vocab is None else vocab[best]) == following).double()
+    q = probabilities(full_vocab_logits(proposal_logits, vocab, vocab_size), rows)
+    return torch.minimum(probabilities(target_logits, rows), q).sum(-1).double()
+
+
+@torch.inference_mode()
+def model_acceptance(target: Transformer, draft: Transformer | EagleHead, refs: list[Reference], params: SamplingParams,
+                     k_max: int, batch_size: int) -> list[np.ndarray]:
+    """accept[m, j] (shape [end + 1, K_max + 1]) per reference, for a draft model or an EAGLE-3 head."""
+    device, vocab_size = target.output.weight.device, target.args.vocab_size
+    eagle = isinstance(draft, EagleHead)
+    out = []
+    for i in range(0, len(refs), batch_size):
+        chunk = refs[i:i + batch_size]
+        tokens, positions = _padded(chunk, device)
+        B, S = tokens.shape
+        for model in [target] if eagle else [target, draft]:  # a head's unroll keeps no cache
+            model.setup_cache(B, S)
+        rows = RowSampling.of([params] * B, device)
+        following = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # [B, S]: the token after each position
+        if eagle:
+            target_logits, features = target(tokens, positions, hidden_layers=draft.aux_layers)
+            steps = []
+            for j, hidden in enumerate(draft.unroll(tokens, features, target.tok_embeddings, k_max)):
+                # step j's entry t is verified against the target at t + j + 1, whose token is at t + j + 2
+                shift = lambda x: torch.cat([x[:, j + 1:], x[:, :j + 1]], dim=1)[:, :S - 1]
+                steps.append(_agreement(draft.logits(hidden), draft.vocab, vocab_size, shift(target_logits),
+                                        shift(following), rows, params.greedy))  # [B, E]
+            per_step = torch.stack(steps, dim=1).cpu().numpy()  # [B, K_max, E]
+        else:
+            target_logits = target(tokens, positions)
+            per_position = _agreement(draft(tokens, positions), draft.vocab, vocab_size, target_logits, following,
+                                      rows, params.greedy).cpu().numpy()  # [B, S]
+        for b, ref in enumerate(chunk):
+            m = np.arange(1, ref.end + 1)[:, None]
+            j = np.arange(1, k_max + 1)[None, :]
+            accept = np.zeros((ref.end + 1, k_max + 1))
+            start = len(ref.prompt) - 2 + m  # the entry / position before the step's pending token
+            if ref.end:
+                accept[1:, 1:] = per_step[b, j - 1, start] if eagle else per_position[b, start + j]
+            out.append(accept)
+    return out
+
+
+@torch.inference_mode()
+def lookup_acceptance(target: Transformer, refs: list[Reference], params: SamplingParams, k_max: int,
+                      max_ngram: int = 3, min_ngram: int = 1) -> list[np.ndarray]:
+    """accept[m, j] per reference for prompt lookup (serve.proposers.lookup): its proposal is exact at
+    T = 0 when it equals the target's token, and kept with probability p(token) at T > 0."""
+    device = target.output.weight.device
+    out = []
+    for ref in refs:
+        sequence, L = ref.sequence, len(ref.prompt)
+        accept = np.zeros((ref.end + 1, k_max + 1))
+        proposals = {m: lookup(sequence[:L + m], k_max, max_ngram, min_ngram) for m in range(1, ref.end + 1)}
+        if params.greedy:
+            for m, drafts in proposals.items():
+                accept[m, 1:] = [d == t for d, t in zip(drafts, sequence[L + m:L + m + k_max])]
+        elif ref.end:
+            target.setup_cache(1, len(sequence))
+            probs = probabilities(target(torch.tensor([sequence], device=device), torch.arange(len(sequence), device=device)[None]),
+                                  RowSampling.of([params], device))[0]  # [S, V]
+            for m, drafts in proposals.items():
+                accept[m, 1:] = [probs[L + m + j - 2, d].item() for j, d in enumerate(drafts, 1)]
+        out.append(accept)
+    return out
+
+
+# -- the engine, as the cross-check and the speed measurement ------------------------------------------
 
 @dataclass
 class Measurement:
@@ -34,7 +215,8 @@ class Measurement:
                 "acceptance_by_position": self.stats.acceptance_by_position,
                 "num_drafts": self.stats.num_drafts, "num_draft_tokens": self.stats.num_draft_tokens,
                 "num_accepted_tokens": self.stats.num_accepted_tokens, "tokens": self.tokens,
-                "target_steps": self.target_steps, "seconds": round(self.seconds, 4)}
+                "target_steps": self.target_steps, "seconds": round(self.seconds, 4),
+                "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
 def measure(engine: Engine, name: str, prompts: Sequence[Sequence[int]], params: SamplingParams, k: int,

@@ -1,10 +1,12 @@
-"""The evaluate stage: acceptance on the held-out prompts for every proposer, K = 1..max and T = 0 and
-T > 0, through the engine's speculative loop; the cost model and the choice of K; gates; reports.
+"""The evaluate stage: acceptance on the held-out prompts for every proposer, K = 1..max, T = 0 and T > 0,
+computed from one teacher-forced pass (evaluate/acceptance.py); whole-step costs and the choice of K;
+then the engine itself at the chosen K, which cross-checks the computed tau and measures the speedup.
 
-Proposers: the shipped draft (W4A16 when quantized), the bf16 distilled draft, the initial draft
-before distillation, a hard-label-trained draft when the sweep has one, and prompt lookup.
-The gates are judged after the stage, cached or not, against the configured thresholds: a failed gate
-fails the job (and so blocks publishing) unless publish.override_gates=true.
+Proposers: the shipped draft (W4A16 when quantized, or the EAGLE-3 head), the bf16 distilled draft
+when the shipped one is quantized, the initial draft before distillation, a hard-label-trained draft
+when the sweep has one, and prompt lookup. The gates are judged after the stage, cached or not,
+against the configured thresholds: a failed gate fails the job (and so blocks publishing) unless
+publish.override_gates=true.
 """
 from __future__ import annotations
 
@@ -14,14 +16,14 @@ from typing import Any, Mapping
 
 from draftsmith.distill.data import load_prompts
 from draftsmith.evaluate import cost, report as reports
+from draftsmith.evaluate.acceptance import (computed_rows, lookup_acceptance, measure, model_acceptance, references)
 from draftsmith.evaluate.report import rows_of
-from draftsmith.evaluate.acceptance import Measurement, measure
 from draftsmith.pipeline.config import DraftsmithConfig, EvaluateConfig
 from draftsmith.pipeline.stage import Stage, StageOutput, read_record
 from draftsmith.pipeline.target import load_reference
 from draftsmith.quantize.stage import draft_dir_of
-from draftsmith.serve.engine import Engine, compute_dtype, detokenizer_of, eos_ids_of, pick_device
-from draftsmith.serve.proposers import PromptLookup
+from draftsmith.serve.engine import Engine, compute_dtype, detokenizer_of, eos_ids_of, load_draft, pick_device
+from draftsmith.serve.proposers import PromptLookup, read_vocab
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
 
@@ -30,6 +32,10 @@ PROMPT_LOOKUP = "prompt_lookup"
 
 class GateFailed(RuntimeError):
     """The evaluated draft misses a configured gate; publishing is blocked unless overridden."""
+
+
+def draft_kind(distill: StageOutput) -> str:
+    return distill.record["config"]["draft"].get("kind", "standalone")
 
 
 def hard_label_sibling(distill: StageOutput) -> Path | None:
@@ -50,8 +56,9 @@ def draft_dirs(inputs: Mapping[str, StageOutput]) -> dict[str, Path]:
     """name -> draft dir of every model proposer; the first is the one publish ships."""
     distill, quantize = inputs["distill"], inputs["quantize"]
     shipped = draft_dir_of(distill, quantize)
-    dirs = {"w4a16" if shipped != distill.path / "draft" else "bf16": shipped, "bf16": distill.path / "draft",
-            "initial": distill.path / "initial"}
+    quantized = shipped != distill.path / "draft"
+    name = "eagle3" if draft_kind(distill) == "eagle3" else "w4a16" if quantized else "bf16"
+    dirs = {name: shipped, **({"bf16": distill.path / "draft"} if quantized else {}), "initial": distill.path / "initial"}
     if distill.record["config"]["distill"]["loss"] != "hard_label" and (sibling := hard_label_sibling(distill)):
         dirs["hard_label"] = sibling
     return dirs
@@ -93,71 +100,81 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     prompts = [r["prompt_ids"] for r in load_prompts(inputs["data"]).to_list() if r["split"] == "eval"][: e.num_prompts]
     if not prompts:
         raise ValueError("the data stage has no held-out prompts: raise data.eval_fraction")
-    dirs = draft_dirs(inputs)
+    dirs, vocab = draft_dirs(inputs), read_vocab(inputs["distill"].path)
     shipped = next(iter(dirs))
     target = load_model(target_dir, dtype, device)
     longest = max(len(p) for p in prompts) + e.max_new_tokens + e.max_speculative_tokens + 2
     # CUDA graphs on a GPU, without torch.compile: compiling every proposer's engine costs more than it tells
-    engine_of = lambda draft: Engine(target, draft, max_batch_size=e.batch_size, max_seq_len=longest, compile_blocks=False,
-                                     eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir))
-    temperatures = [0.0, e.temperature]
-    ks = range(1, e.max_speculative_tokens + 1)
+    engine_of = lambda draft=None: Engine(target, draft, max_batch_size=e.batch_size, max_seq_len=longest, compile_blocks=False,
+                                          eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir))
+    k_max, temperatures = e.max_speculative_tokens, [0.0, e.temperature]
+    params = {t: SamplingParams(temperature=t, seed=e.seed, max_new_tokens=e.max_new_tokens) for t in temperatures}
     names = [*dirs, PROMPT_LOOKUP]
-    measured: dict[tuple[str, float, int], Measurement] = {}
-    draft_ms: dict[str, float] = {}
-    plain = engine_of(None)
-    target_ms = cost.time_forward(plain.target_forward, e.batch_size, 1, plain.device)
-    verify_ms = {k: cost.time_forward(plain.target_forward, e.batch_size, k + 1, plain.device) for k in ks}
+    computed, step_ms = [], {}
     with Progress() as progress:
-        task = progress.add_task("evaluate", total=(len(names) * len(ks) + 1) * len(temperatures))
-        for t in temperatures:
-            params = SamplingParams(temperature=t, seed=e.seed, max_new_tokens=e.max_new_tokens)
-            measured[("plain", t, 0)] = measure(plain, "plain", prompts, params, 0)
-            progress.advance(task)
+        task = progress.add_task("evaluate", total=2 + 2 * len(names) + len(names) + 2)
+        progress.update(task, description="the target's continuations")
+        plain = engine_of()
+        refs = {t: references(plain, prompts, params[t], k_max) for t in temperatures}
+        plain_ms = plain.time_step(e.batch_size, 0)
+        progress.advance(task, 2)
         for name in names:
-            # a fresh engine per proposer: engines share the target, and each one's setup replaces the
-            # target's KV cache (and CUDA graphs captured on it), so an engine is never reused after another
-            engine = engine_of(load_model(dirs[name], dtype, device) if name in dirs else None)
-            proposer = PromptLookup(target.args.vocab_size) if name == PROMPT_LOOKUP else None
-            draft_ms[name] = cost.time_forward(engine.draft_forward, e.batch_size, 1, engine.device) if name in dirs else 0.0
+            draft = load_draft(dirs[name], dtype, device, vocab) if name in dirs else None
             for t in temperatures:
-                params = SamplingParams(temperature=t, seed=e.seed, max_new_tokens=e.max_new_tokens)
-                for k in ks:
-                    progress.update(task, description=f"{name} T={t:g} K={k}")
-                    measured[(name, t, k)] = measure(engine, name, prompts, params, k, proposer)
-                    progress.advance(task)
+                progress.update(task, description=f"acceptance: {name} T={t:g}")
+                accepts = (lookup_acceptance(target, refs[t], params[t], k_max) if draft is None else
+                           model_acceptance(target, draft, refs[t], params[t], k_max, e.batch_size))
+                computed += computed_rows(name, t, accepts, refs[t], k_max)
+                progress.advance(task)
+            # a fresh engine per proposer: engines share the target, and each one's setup replaces its KV
+            # cache (and CUDA graphs captured on it), so an engine is never reused after another
+            progress.update(task, description=f"step costs: {name}")
+            engine = engine_of(draft)
+            proposer = PromptLookup(target.args.vocab_size) if draft is None else None
+            step_ms[name] = {k: engine.time_step(e.batch_size, k, proposer=proposer) for k in range(1, k_max + 1)}
+            progress.advance(task)
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()
-
-    costs = {name: cost.StepCosts(e.batch_size, target_ms, draft_ms[name], verify_ms) for name in names}
-    plain_rate = measured[("plain", 0.0, 0)].tokens_per_s
-    measured_speedup = {name: {k: measured[(name, 0.0, k)].tokens_per_s / plain_rate for k in ks} for name in names}
-    predicted = {name: {k: cost.predicted_speedup(measured[(name, 0.0, 1)].stats.acceptance_rate, k, costs[name]) for k in ks}
-                 for name in names}
-    k, why = cost.choose_k(measured_speedup[shipped], predicted[shipped])
+        report = {"acceptance": [c.as_dict() for c in computed]}
+        tau = lambda name, k: rows_of(report, name, 0.0)[k]["tau"]
+        predicted = {name: {k: cost.predicted_speedup(tau(name, k), plain_ms, ms) for k, ms in step_ms[name].items()} for name in names}
+        k, why = cost.choose_k(predicted[shipped])
+        # the engine at the chosen K: the speed measurement, and the check of the computed counters
+        progress.update(task, description=f"engine: plain and {shipped} K={k}")
+        plain_run = measure(engine_of(), "plain", prompts, params[0.0], 0)
+        shipped_run = measure(engine_of(load_draft(dirs[shipped], dtype, device, vocab)), shipped, prompts, params[0.0], k)
+        progress.advance(task, 2)
+    measured_speedup = shipped_run.tokens_per_s / plain_run.tokens_per_s
+    computed_tau = tau(shipped, k)
     data = inputs["data"]
     report = {
-        "format_version": 1, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "format_version": 2, "device": device, "dtype": str(dtype).removeprefix("torch."),
         "eval_split": {"data_fingerprint": data.fingerprint, "eval_ids_sha256": data.metrics.get("eval_ids_sha256"),
                        "num_prompts": len(prompts), "max_new_tokens": e.max_new_tokens},
-        "temperatures": temperatures, "seed": e.seed, "max_speculative_tokens": e.max_speculative_tokens,
-        "shipped": shipped, "proposers": {name: str(dirs.get(name, "n-gram lookup in the sequence so far")) for name in names},
-        "acceptance": [{key: v for key, v in m.as_dict().items() if key != "seconds"} for m in measured.values()],
-        "speed": {"costs": {name: c.as_dict() for name, c in costs.items()},
-                  "tokens_per_s": [{"proposer": m.proposer, "temperature": m.temperature, "k": m.k,
-                                    "tokens_per_s": round(m.tokens_per_s, 2)} for m in measured.values()],
-                  "measured_speedup": {name: {str(k): round(v, 4) for k, v in s.items()} for name, s in measured_speedup.items()},
-                  "predicted_speedup": {name: {str(k): round(v, 4) for k, v in s.items()} for name, s in predicted.items()}},
+        "temperatures": temperatures, "seed": e.seed, "max_speculative_tokens": k_max,
+        "shipped": shipped, "kind": draft_kind(inputs["distill"]),
+        "proposers": {name: str(dirs.get(name, "n-gram lookup in the sequence so far")) for name in names},
+        "draft_vocab_size": len(vocab) if vocab else None,
+        "acceptance": report["acceptance"],
+        "engine": [plain_run.as_dict(), shipped_run.as_dict()],
+        "cross_check": {"proposer": shipped, "k": k, "temperature": 0.0, "computed_tau": computed_tau,
+                        "measured_tau": shipped_run.stats.tau, "difference": shipped_run.stats.tau - computed_tau},
+        "speed": {"batch_size": e.batch_size, "plain_step_ms": round(plain_ms, 4),
+                  "step_ms": {name: {str(k_): round(v, 4) for k_, v in s.items()} for name, s in step_ms.items()},
+                  "predicted_speedup": {name: {str(k_): round(v, 4) for k_, v in s.items()} for name, s in predicted.items()},
+                  "measured_speedup": {shipped: {str(k): round(measured_speedup, 4)}},
+                  "plain_tokens_per_s": round(plain_run.tokens_per_s, 2), "tokens_per_s": round(shipped_run.tokens_per_s, 2)},
         "num_speculative_tokens": k, "why": why,
     }
     reports.write_all(report, out)
-    tau5 = {name: measured[(name, 0.0, 5)].stats.tau for name in names if 5 in ks}
-    chosen = measured[(shipped, 0.0, k)].stats
-    return {"num_speculative_tokens": k, "alpha": chosen.acceptance_rate, "tau": chosen.tau, "shipped": shipped,
-            **{f"tau_k5_{name}": v for name, v in tau5.items()},
-            "tau_k5_distilled_over_initial": tau5["bf16"] / tau5["initial"] if tau5 else None,
-            "measured_speedup": measured_speedup[shipped][k]}
+    tau5 = {name: tau(name, 5) for name in names if 5 <= k_max}
+    chosen = rows_of(report, shipped, 0.0)[k]
+    return {"num_speculative_tokens": k, "alpha": chosen["alpha"], "tau": chosen["tau"], "shipped": shipped,
+            "kind": report["kind"], **{f"tau_k5_{name}": v for name, v in tau5.items()},
+            "tau_k5_distilled_over_initial": tau5[shipped] / tau5["initial"] if tau5 else None,
+            "predicted_speedup": predicted[shipped][k], "measured_speedup": measured_speedup,
+            "measured_tau": shipped_run.stats.tau, "tau_difference": shipped_run.stats.tau - computed_tau}
 
 
 def check_gates(cfg: DraftsmithConfig, output: StageOutput) -> None:

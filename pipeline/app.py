@@ -87,7 +87,7 @@ def _print_published(outputs: dict[str, StageOutput]) -> None:
     console.print(f"bundle: {bundle}", soft_wrap=True)
     console.print(f"alpha={m['alpha']:.4f} tau={m['tau']:.4f} num_speculative_tokens={m['num_speculative_tokens']} "
                   f"quantization={m['quantization']}", soft_wrap=True)
-    console.print(vllm_command(bundle, target, m["num_speculative_tokens"], m["max_model_len"]), soft_wrap=True, markup=False)
+    console.print(vllm_command(bundle, target, m["method"], m["num_speculative_tokens"], m["max_model_len"]), soft_wrap=True, markup=False)
     registered = outputs.get("registry")
     if registered and registered.metrics.get("registered"):
         r = registered.metrics

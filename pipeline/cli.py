@@ -198,7 +198,7 @@ def _registry_uri(uri: str | None, root: str) -> str:
 @registry_app.command("list")
 def registry_list(name: str = typer.Option("draftsmith-draft", help="registered model name"),
                   uri: str = typer.Option(None, help=URI_HELP), root: str = typer.Option("runs/demo", help="run root")) -> None:
-    """Every version with its tau, alpha, K, quantization and why it was (not) promoted."""
+    """Every version with its kind, measured speedup, tau, alpha, K, quantization and why it was (not) promoted."""
     from rich.console import Console
     from rich.table import Table
 
@@ -206,10 +206,11 @@ def registry_list(name: str = typer.Option("draftsmith-draft", help="registered 
 
     rows = list_versions(_registry_uri(uri, root), name)
     table = Table(title=f"registry: {name}")
-    for column in ("version", "champion", "tau", "alpha", "k", "quantization", "gates_passed", "reason"):
+    columns = ("version", "champion", "kind", "speedup", "tau", "alpha", "k", "quantization", "gates_passed", "reason")
+    for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(*(row[c] for c in ("version", "champion", "tau", "alpha", "k", "quantization", "gates_passed", "reason")))
+        table.add_row(*(row[c] for c in columns))
     Console().print(table)
 
 

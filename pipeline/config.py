@@ -130,6 +130,7 @@ class EvaluateConfig:
     seed: int = MISSING
     min_alpha: float = MISSING
     max_tau_loss: float = MISSING
+    min_speedup: float = MISSING  # the registry promotes only versions measured faster than this x plain
 
 
 @dataclass

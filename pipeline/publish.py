@@ -17,6 +17,8 @@ from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
 from draftsmith.evaluate.report import PLOTS
 from draftsmith.quantize.stage import draft_dir_of
+from draftsmith.serve.eagle import is_eagle_dir, set_speculative_tokens
+from draftsmith.serve.proposers import VOCAB_FILE
 
 BUNDLE_DIR = "bundle"
 _TARGET_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")  # an HF dir without pickles
@@ -26,9 +28,9 @@ def bundle_of(output: StageOutput) -> Path:
     return output.path / BUNDLE_DIR
 
 
-def serve_script(target: str, k: int, max_model_len: int) -> str:
+def serve_script(target: str, method: str, k: int, max_model_len: int) -> str:
     """serve.sh: vLLM by default, draftsmith's own runtime with `./serve.sh draftsmith`."""
-    spec = json.dumps({"method": bundles.METHOD, "model": "@BUNDLE@/draft", "num_speculative_tokens": k})
+    spec = json.dumps({"method": method, "model": "@BUNDLE@/draft", "num_speculative_tokens": k})
     return "\n".join([
         "#!/usr/bin/env bash",
         "# Serve the target with this bundle's draft, lossless. Usage: ./serve.sh [vllm|draftsmith] [extra args...]",
@@ -44,24 +46,33 @@ def serve_script(target: str, k: int, max_model_len: int) -> str:
         "esac", ""])
 
 
-def vllm_command(bundle: Path, target: str, k: int, max_model_len: int) -> str:
-    spec = json.dumps({"method": bundles.METHOD, "model": str(bundle / "draft"), "num_speculative_tokens": k})
+def vllm_command(bundle: Path, target: str, method: str, k: int, max_model_len: int) -> str:
+    spec = json.dumps({"method": method, "model": str(bundle / "draft"), "num_speculative_tokens": k})
     return f"vllm serve {shlex.quote(target)} --max-model-len {max_model_len} --speculative-config {shlex.quote(spec)}"
 
 
-def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: dict, quantize: dict, target: str) -> str:
+def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: dict, quantize: dict, target: str,
+               method: str) -> str:
     from draftsmith.evaluate.report import markdown
 
     k = report["num_speculative_tokens"]
-    quantized = quantize.get("scheme", "not quantized (bf16)")
+    if method == bundles.EAGLE3:
+        what = (f"An EAGLE-3 head ({cfg.draft.num_layers} decoder layer(s) on the target's hidden states, draft vocabulary "
+                f"{distill.get('draft_vocab_size')}, speculators format) trained by draftsmith from the target's logits "
+                f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens, training-time test over "
+                f"{cfg.draft.ttt_steps} steps). Not quantized: the head is one small layer, and AWQ is applied to standalone drafts only.")
+        made = f"- Head: `draft=eagle3`, {cfg.draft.num_layers} layer(s), reading the target's layers {cfg.draft.aux_layers or 'early, middle, late (default)'}"
+    else:
+        what = (f"A {cfg.draft.num_layers}-layer draft distilled by draftsmith from the target's logits "
+                f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens), on the target's tokenizer, "
+                f"{quantize.get('scheme', 'not quantized (bf16)')}.")
+        made = f"- Draft: `draft.init={cfg.draft.init.value}`, {cfg.draft.num_layers} layers"
     lines = [
         f"# Speculative-decoding draft for {reference['name_or_path']}", "",
-        f"A {cfg.draft.num_layers}-layer draft distilled by draftsmith from the target's logits "
-        f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens), on the target's tokenizer, "
-        f"{quantized}. Speculative decoding with it is lossless: outputs follow the target's distribution exactly.", "",
+        what + " Speculative decoding with it is lossless: outputs follow the target's distribution exactly.", "",
         "## How it was made", "",
         f"- Target: `{reference['name_or_path']}` ({reference['num_hidden_layers']} layers, vocab {reference['vocab_size']})",
-        f"- Draft: `draft.init={cfg.draft.init.value}`, {cfg.draft.num_layers} layers",
+        made,
         f"- Held-out TVD to the target: {distill.get('tvd_initial', float('nan')):.4f} before distillation, "
         f"{distill.get('tvd_final', float('nan')):.4f} after"
         + (f", {quantize['tvd_after']:.4f} after quantization" if "tvd_after" in quantize else ""),
@@ -72,7 +83,7 @@ def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: di
                      "without embeddings)")
     lines += ["", "## Serve", "", "```sh", "./serve.sh            # vLLM", "./serve.sh draftsmith # draftsmith's runtime",
               f"# or: vllm serve {target} --speculative-config "
-              f"'{{\"method\": \"draft_model\", \"model\": \"<bundle>/draft\", \"num_speculative_tokens\": {k}}}'",
+              f"'{{\"method\": \"{method}\", \"model\": \"<bundle>/draft\", \"num_speculative_tokens\": {k}}}'",
               "```", "", "## Acceptance on held-out domain prompts", "", markdown(report), ""]
     lines += [f"![{name}]({name})" for name in PLOTS]
     return "\n".join(lines) + "\n"
@@ -90,6 +101,12 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     shutil.rmtree(bundle, ignore_errors=True)  # a killed earlier attempt's leftovers
     bundle.mkdir()
     shutil.copytree(draft_dir_of(inputs["distill"], inputs["quantize"]), bundle / "draft")
+    k = report["num_speculative_tokens"]
+    method = bundles.EAGLE3 if is_eagle_dir(bundle / "draft") else bundles.METHOD
+    if method == bundles.EAGLE3:  # vLLM defaults num_speculative_tokens to the head's proposal method
+        set_speculative_tokens(bundle / "draft", k)
+    if (vocab := inputs["distill"].path / VOCAB_FILE).is_file() and method == bundles.METHOD:
+        shutil.copy2(vocab, bundle / VOCAB_FILE)  # beside draft/: vLLM loads every safetensors file in it
     if cfg.publish.include_target:
         (bundle / "target").mkdir()
         for pattern in _TARGET_FILES:
@@ -99,21 +116,21 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     else:
         target = shlex.quote(reference["path"])
     (bundle / bundles.TARGET_JSON).write_text(json.dumps(reference, indent=2))
-    k = report["num_speculative_tokens"]
-    (bundle / bundles.SPECULATIVE_CONFIG).write_text(json.dumps({"method": bundles.METHOD, "model": "draft",
+    (bundle / bundles.SPECULATIVE_CONFIG).write_text(json.dumps({"method": method, "model": "draft",
                                                                  "num_speculative_tokens": k}, indent=2))
     draft_len = json.loads((bundle / "draft" / "config.json").read_text()).get("max_position_embeddings", 2048)
     max_model_len = min(cfg.serve.max_model_len, draft_len, reference.get("max_position_embeddings") or draft_len)
-    (bundle / "serve.sh").write_text(serve_script(target, k, max_model_len))
+    (bundle / "serve.sh").write_text(serve_script(target, method, k, max_model_len))
     (bundle / "serve.sh").chmod(0o755)
     (bundle / "eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     for name in PLOTS:
         shutil.copy2(evaluation.path / name, bundle / name)
     (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,
-                                                 inputs["quantize"].metrics, reference["path"]))
+                                                 inputs["quantize"].metrics, reference["path"], method))
     manifest = bundles.write_manifest(bundle)
     bundles.verify(bundle)
-    return {"num_speculative_tokens": k, "alpha": evaluation.metrics["alpha"], "tau": evaluation.metrics["tau"],
+    return {"num_speculative_tokens": k, "method": method, "alpha": evaluation.metrics["alpha"], "tau": evaluation.metrics["tau"],
+            "measured_speedup": evaluation.metrics["measured_speedup"],
             "quantization": inputs["quantize"].metrics.get("scheme", "none"), "files": len(manifest["files"]),
             "size_mb": round(sum(f["size"] for f in manifest["files"].values()) / 1e6, 2), "max_model_len": max_model_len,
             "gates_overridden": not report["gates"]["passed"]}

@@ -2,8 +2,10 @@
 
 A version is the bundle logged as an MLflow pyfunc model (from code, not pickled: `mlflow_model.py`)
 whose predict generates with the engine, tagged with what promotion compares. Promotion sets the alias
-only when the version's gates passed and its tau at its K beats the champion's on the same held-out
-split; otherwise the version stays registered, unpromoted, with the reason.
+only when the version's gates passed, its measured speedup over plain decoding is above
+evaluate.min_speedup, and it is faster than the champion (measured speedup on the same held-out split
+and device; tau for versions that predate the measurement), whatever the draft kind (a standalone
+draft or an EAGLE-3 head); otherwise the version stays registered, unpromoted, with the reason.
 """
 from __future__ import annotations
 
@@ -32,19 +34,27 @@ class Decision:
     reason: str
 
 
-def decide(candidate: Mapping[str, str], champion: Mapping[str, str] | None) -> Decision:
+def decide(candidate: Mapping[str, str], champion: Mapping[str, str] | None, min_speedup: float = 1.0) -> Decision:
     """Whether a version with tags `candidate` should replace the champion with tags `champion`."""
     if candidate.get("gates_passed") != "true":
         return Decision(False, "its evaluation gates failed (published with publish.override_gates=true)")
+    speedup = float(candidate["speedup"])
+    where = f"at K={candidate['k']} on {candidate.get('device', '?')}"
+    if speedup <= min_speedup:
+        return Decision(False, f"its measured speedup {speedup:.2f}x {where} is not above evaluate.min_speedup={min_speedup:g}: "
+                               "speculation would not pay there")
     if champion is None:
-        return Decision(True, "there is no champion yet")
-    if candidate.get("eval_split") != champion.get("eval_split"):
-        return Decision(False, "the champion was evaluated on another held-out split, so their tau do not compare; "
-                               "`draftsmith registry promote` promotes it by hand")
-    new, old = float(candidate["tau"]), float(champion["tau"])
+        return Decision(True, f"there is no champion yet (measured speedup {speedup:.2f}x {where})")
+    if (candidate.get("eval_split"), candidate.get("device")) != (champion.get("eval_split"), champion.get("device")):
+        return Decision(False, "the champion was evaluated on another held-out split or device, so their speeds do not "
+                               "compare; `draftsmith registry promote` promotes it by hand")
+    key, unit = ("speedup", "x") if "speedup" in champion else ("tau", " tau")
+    new, old = float(candidate[key]), float(champion[key])
+    ours = f"{candidate.get('kind', 'standalone')} {new:.4f}{unit} at K={candidate['k']}"
+    theirs = f"the champion's ({champion.get('kind', 'standalone')}) {old:.4f}{unit} at K={champion['k']}"
     if new > old:
-        return Decision(True, f"its tau {new:.4f} at K={candidate['k']} beats the champion's {old:.4f} at K={champion['k']}")
-    return Decision(False, f"its tau {new:.4f} at K={candidate['k']} does not beat the champion's {old:.4f} at K={champion['k']}")
+        return Decision(True, f"its {ours} beats {theirs}")
+    return Decision(False, f"its {ours} does not beat {theirs}")
 
 
 def champion_of(mlflow_client, name: str):
@@ -64,7 +74,8 @@ def set_champion(mlflow_client, name: str, version: str) -> None:
     mlflow_client.set_registered_model_alias(name, CHAMPION, str(version))
 
 
-def register(bundle: Path, name: str, uri: str, experiment: str, tags: dict[str, str]) -> tuple[str, Decision]:
+def register(bundle: Path, name: str, uri: str, experiment: str, tags: dict[str, str],
+             min_speedup: float = 1.0) -> tuple[str, Decision]:
     """Log the bundle as a pyfunc model, register it under `name`, promote it if it is the best."""
     import mlflow
 
@@ -79,7 +90,7 @@ def register(bundle: Path, name: str, uri: str, experiment: str, tags: dict[str,
         mlflow_client.create_registered_model(name)
     version = mlflow_client.create_model_version(name, info.model_uri, run_id=info.run_id, tags=tags).version
     champion = champion_of(mlflow_client, name)
-    decision = decide(tags, champion.tags if champion is not None else None)
+    decision = decide(tags, champion.tags if champion is not None else None, min_speedup)
     if decision.promote:
         set_champion(mlflow_client, name, version)
     mlflow_client.set_model_version_tag(name, version, "draftsmith.promotion", decision.reason)
@@ -95,7 +106,9 @@ def version_tags(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput]) -> di
             "tau": f"{inputs['evaluate'].metrics['tau']:.6f}", "k": str(report["num_speculative_tokens"]),
             "quantization": inputs["quantize"].metrics.get("scheme", "none"),
             "eval_split": f"{inputs['target'].fingerprint[:16]}:{split['eval_ids_sha256']}:{split['max_new_tokens']}",
-            "gates_passed": str(report["gates"]["passed"]).lower(), "experiment": cfg.experiment}
+            "gates_passed": str(report["gates"]["passed"]).lower(), "experiment": cfg.experiment,
+            "speedup": f"{inputs['evaluate'].metrics['measured_speedup']:.6f}", "device": report["device"],
+            "kind": report.get("kind", "standalone")}
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
@@ -105,14 +118,15 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         return {"registered": False, "reason": "tracking.enabled=false"}
     name = cfg.tracking.registry_name
     version, decision = register(bundle_of(inputs["publish"]), name, tracking_uri(cfg.tracking.uri, cfg.paths.root),
-                                 cfg.experiment, version_tags(cfg, inputs))
+                                 cfg.experiment, version_tags(cfg, inputs), cfg.evaluate.min_speedup)
     (out / "registered.json").write_text(json.dumps({"name": name, "version": version, "champion": decision.promote,
                                                      "reason": decision.reason}, indent=2))
     return {"registered": True, "name": name, "version": version, "champion": decision.promote, "reason": decision.reason}
 
 
 # the registry's state lives in MLflow: the stage's fingerprint keeps a rerun from registering twice
-STAGE = Stage(name="registry", config_keys=("tracking",), inputs=("target", "quantize", "evaluate", "publish"), run=run)
+STAGE = Stage(name="registry", config_keys=("tracking", "evaluate.min_speedup"), inputs=("target", "quantize", "evaluate", "publish"),
+              run=run)
 
 
 def list_versions(uri: str, name: str) -> list[dict[str, str]]:
@@ -121,7 +135,7 @@ def list_versions(uri: str, name: str) -> list[dict[str, str]]:
     rows = []
     for v in sorted(mlflow_client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
         rows.append({"version": str(v.version), "champion": "yes" if champion and str(champion.version) == str(v.version) else "",
-                     **{k: v.tags.get(k, "") for k in ("tau", "alpha", "k", "quantization", "gates_passed")},
+                     **{k: v.tags.get(k, "") for k in ("kind", "speedup", "tau", "alpha", "k", "quantization", "gates_passed")},
                      "reason": v.tags.get("draftsmith.promotion", "")})
     return rows
 

@@ -3,7 +3,8 @@
 Output: draft/ (compressed-tensors W4A16 HF dir with the target's tokenizer files). Metrics: size on
 disk of the draft in bf16 against W4A16 (total and without the embedding / LM head tables),
 held-out TVD to the target before and after, greedy agreement of the two drafts, time taken.
-With quantize.enabled=false the stage writes no draft and later stages use the bf16 one.
+With quantize.enabled=false, or for an EAGLE-3 head (one small layer: there is little to save and
+its acceptance is what pays), the stage writes no draft and later stages use the distilled one as it is.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Mapping
 from draftsmith.distill.heldout import compare_drafts
 from draftsmith.distill.teacher import load_teacher
 from draftsmith.distill.tokenizer import adopt_target_tokenizer
-from draftsmith.pipeline.config import DraftsmithConfig
+from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
 from draftsmith.quantize.awq import quantize_awq
@@ -74,6 +75,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     q = cfg.quantize
     if not q.enabled:
         return {"enabled": False}
+    if cfg.draft.kind == DraftKind.eagle3:
+        return {"enabled": False, "reason": "EAGLE-3 heads are not quantized"}
     target_dir = Path(load_reference(inputs["target"])["path"])
     dense_dir = inputs["distill"].path / "draft"
     rows = load_teacher(inputs["teacher"]).to_list()

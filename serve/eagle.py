@@ -327,18 +327,22 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str
     return head.to(device=device, dtype=dtype).eval()
 
 
-def check_fits(head: EagleHead, target_args: ModelArgs, where: str = "the head") -> None:
-    """Refuse a head that was made for another target shape (vLLM refuses these too)."""
+def fit_problems(args: ModelArgs, shape: HeadShape, target_args: ModelArgs) -> list[str]:
+    """Why a head made for another target shape cannot run on this one (vLLM refuses these too)."""
     problems = []
-    if head.shape.target_hidden_size != target_args.hidden_size:
-        problems.append(f"target_hidden_size {head.shape.target_hidden_size} != the target's hidden size {target_args.hidden_size}")
-    if head.args.hidden_size != target_args.hidden_size:
-        problems.append(f"hidden_size {head.args.hidden_size} != the target's {target_args.hidden_size} (the head uses the "
+    if shape.target_hidden_size != target_args.hidden_size:
+        problems.append(f"target_hidden_size {shape.target_hidden_size} != the target's hidden size {target_args.hidden_size}")
+    if args.hidden_size != target_args.hidden_size:
+        problems.append(f"hidden_size {args.hidden_size} != the target's {target_args.hidden_size} (the head uses the "
                         "target's token embeddings)")
-    if head.args.vocab_size != target_args.vocab_size:
-        problems.append(f"vocab_size {head.args.vocab_size} != the target's {target_args.vocab_size}")
-    bad = [i for i in head.aux_layers if not 0 <= i < target_args.num_layers]
+    if args.vocab_size != target_args.vocab_size:
+        problems.append(f"vocab_size {args.vocab_size} != the target's {target_args.vocab_size}")
+    bad = [i for i in shape.aux_layers if not 0 <= i < target_args.num_layers]
     if bad:
         problems.append(f"aux hidden state layers {bad} are outside the target's {target_args.num_layers} layers")
-    if problems:
+    return problems
+
+
+def check_fits(head: EagleHead, target_args: ModelArgs, where: str = "the head") -> None:
+    if problems := fit_problems(head.args, head.shape, target_args):
         raise EagleFormatError(f"{where} does not fit the target: " + "; ".join(problems))

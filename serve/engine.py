@@ -43,6 +43,16 @@ def compute_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name] if device.startswith("cuda") else torch.float32
 
 
+def load_draft(path: Path, dtype: torch.dtype, device: str | torch.device, vocab: Sequence[int] | None = None) -> Transformer | EagleHead:
+    """A draft dir: an EAGLE-3 head (speculators format) or a draft model, proposing from `vocab` if given."""
+    if is_eagle_dir(path):
+        return load_head(path, dtype, device)
+    draft = load_model(path, dtype, device)
+    if vocab is not None:
+        draft.use_vocab(torch.tensor(list(vocab)))
+    return draft
+
+
 class EngineError(ValueError):
     """A request the engine cannot serve as asked (too long, too many, mismatched models)."""
 
@@ -145,13 +155,8 @@ class Engine:
         dir holds a draft model or an EAGLE-3 head (speculators format); draft_vocab: the token ids a
         draft model proposes from (None: all)."""
         target_dir = Path(target_dir)
-        torch_dtype = DTYPES[dtype]
-        target = load_model(target_dir, torch_dtype, device)
-        draft = None
-        if draft_dir is not None:
-            draft = load_head(draft_dir, torch_dtype, device) if is_eagle_dir(Path(draft_dir)) else load_model(Path(draft_dir), torch_dtype, device)
-            if draft_vocab is not None and isinstance(draft, Transformer):
-                draft.use_vocab(torch.tensor(list(draft_vocab)))
+        target = load_model(target_dir, DTYPES[dtype], device)
+        draft = load_draft(Path(draft_dir), DTYPES[dtype], device, draft_vocab) if draft_dir is not None else None
         kwargs.setdefault("max_seq_len", min(2048, read_config(target_dir).get("max_position_embeddings", 2048)))
         return cls(target, draft, eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir), **kwargs)
 
@@ -247,17 +252,19 @@ class Engine:
         return decode_step(self.target_forward, proposer, state, active, k, rows, generator, self.verify, histories)
 
     @torch.inference_mode()
-    def time_step(self, batch: int, k: int, repeats: int = 3) -> float:
-        """Median milliseconds of one greedy step at `batch` rows and K (0: plain), with the engine's own
-        draft, on idle rows (nothing moves). On a GPU the first call captures the step's graph."""
+    def time_step(self, batch: int, k: int, repeats: int = 3, proposer: Proposer | None = None) -> float:
+        """Median milliseconds of one greedy step at `batch` rows and K (0: plain), with `proposer` (default:
+        the engine's draft), on idle rows (nothing moves). On a GPU the first call captures the step's graph."""
         state, active = self.idle_state(batch), torch.zeros(batch, dtype=torch.bool, device=self.device)
         rows = RowSampling.of([SamplingParams()] * batch, self.device)
+        proposer = proposer or self.draft_proposer
+        histories = [[0]] * batch if proposer is not None and proposer.reads_history else []
         times = []
         for i in range(repeats + 1):  # the first call warms up (graph capture, compilation, caches)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            self.step(state, active, k, rows, None, self.draft_proposer)
+            self.step(state, active, k, rows, None, proposer, histories)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             if i:

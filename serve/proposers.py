@@ -10,6 +10,8 @@ distribution is renormalised over the subset, so verification stays exact.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Protocol, Sequence
 
 import torch
@@ -19,6 +21,15 @@ from draftsmith.serve.eagle import EagleHead
 from draftsmith.serve.model import Transformer
 from draftsmith.serve.sampling import RowSampling, probabilities, sample
 from draftsmith.serve.speculative import DecodeState, Forward, StepOutput
+
+
+VOCAB_FILE = "draft_vocab.json"  # beside a draft model: the token ids it proposes from ({"token_ids": [...]})
+
+
+def read_vocab(directory: Path) -> list[int] | None:
+    """The draft vocabulary saved in `directory` (a distill output or a bundle), if there is one."""
+    path = Path(directory) / VOCAB_FILE
+    return json.loads(path.read_text())["token_ids"] if path.is_file() else None
 
 
 class Proposer(Protocol):
@@ -36,16 +47,22 @@ class Proposer(Protocol):
         """After the target's forward in a step: the state's next draft_hidden (None when it keeps none)."""
 
 
+def full_vocab_logits(logits: Tensor, vocab: Tensor | None, vocab_size: int) -> Tensor:
+    """Logits [..., V'] over `vocab` (target ids; None: already the whole vocabulary) as [..., V], -inf
+    (probability 0) outside the subset."""
+    if vocab is None:
+        return logits
+    return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, vocab, logits)
+
+
 def draw(logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSampling,
          generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-    """One proposal per row from logits [B, 1, V'] over `vocab` (target ids; None: the whole vocabulary):
-    the tokens [B, 1] as target ids, and the distributions [B, 1, V] they were drawn from (None if greedy)."""
+    """One proposal per row from logits [B, 1, V'] over `vocab`: the tokens [B, 1] as target ids, and
+    the distributions [B, 1, V] they were drawn from (None if greedy)."""
     if rows.all_greedy:
         best = logits.argmax(-1)
         return (best if vocab is None else vocab[best]), None
-    if vocab is not None:  # outside the subset: probability 0
-        logits = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, vocab, logits)
-    q = probabilities(logits, rows)  # [B, 1, V]
+    q = probabilities(full_vocab_logits(logits, vocab, vocab_size), rows)  # [B, 1, V]
     return sample(q, generator), q
 
 

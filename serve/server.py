@@ -327,12 +327,13 @@ def load_server(bundle: Path, device: str, dtype: str, max_model_len: int, max_b
 
     from draftsmith.pipeline.bundle import TARGET_JSON, target_dir_of, verify
     from draftsmith.serve.engine import pick_device
+    from draftsmith.serve.proposers import read_vocab
 
     spec = verify(bundle)
     target_dir = target_dir_of(bundle)
     device = pick_device(device)
     engine = Engine.load(target_dir, bundle / spec["model"], dtype=dtype if device != "cpu" else "float32",
-                         device=device, max_batch_size=max_batch_size,
+                         device=device, max_batch_size=max_batch_size, draft_vocab=read_vocab(bundle),
                          max_seq_len=max_model_len + spec["num_speculative_tokens"] + 1)
     reference = bundle / TARGET_JSON
     name = json.loads(reference.read_text())["name_or_path"] if reference.is_file() else target_dir.name
