@@ -1,6 +1,7 @@
 """The teacher stage: the target answers every prompt (train and eval), saved as Arrow, optionally with
 its top-k log-probabilities at each response position, so that a sweep trains from this cache instead
-of running the target again.
+of running the target again. With distill.teacher.extra_samples = n, each training prompt gets n more
+responses sampled at sample_temperature (more varied data per prompt; the held-out split keeps one).
 
 Batches are written as shards into the stage's work dir as they finish: a killed run resumes at the
 first missing shard.
@@ -40,13 +41,17 @@ def top_k_logprobs(model, sequences: list[list[int]], starts: list[int], k: int)
             for i, (s, start) in enumerate(zip(sequences, starts))]
 
 
-def generate_shard(engine: Engine, batch: list[dict], cfg: TeacherConfig, eos: int | None, seed: int) -> list[dict]:
-    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+def generate_shard(engine: Engine, batch: list[dict], cfg: TeacherConfig, eos: int | None, seed: int, sample: int) -> list[dict]:
+    """Responses to a batch of prompts: the first at distill.teacher.temperature, extra samples (sample >= 1)
+    at sample_temperature."""
+    temperature = cfg.temperature if sample == 0 else cfg.sample_temperature
+    params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
     got = engine.generate([r["prompt_ids"] for r in batch], params)
     rows = []
     for record, completion in zip(batch, got.completions):
         response = completion.tokens + ([eos] if completion.finish_reason == "stop" and eos is not None else [])
-        rows.append({"id": record["id"], "split": record["split"], "prompt_ids": record["prompt_ids"], "response_ids": response})
+        rows.append({"id": record["id"] + (f"#{sample}" if sample else ""), "split": record["split"],
+                     "prompt_ids": record["prompt_ids"], "response_ids": response})
     if cfg.top_k_logits:
         cached = top_k_logprobs(engine.target, [r["prompt_ids"] + r["response_ids"] for r in rows],
                                 [len(r["prompt_ids"]) for r in rows], cfg.top_k_logits)
@@ -80,16 +85,18 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
                     eos_token_ids=frozenset(eos_ids))
     shards = out / "shards"
     shards.mkdir(exist_ok=True)
-    batches = [prompts[i:i + t.batch_size] for i in range(0, len(prompts), t.batch_size)]
+    train = [r for r in prompts if r["split"] == "train"]
+    batches = [(0, prompts[i:i + t.batch_size]) for i in range(0, len(prompts), t.batch_size)]
+    batches += [(s, train[i:i + t.batch_size]) for s in range(1, t.extra_samples + 1) for i in range(0, len(train), t.batch_size)]
     resumed = 0
     with Progress() as progress:
-        task = progress.add_task("teacher: target answers prompts", total=len(prompts))
-        for n, batch in enumerate(batches):
+        task = progress.add_task("teacher: target answers prompts", total=sum(len(b) for _, b in batches))
+        for n, (sample, batch) in enumerate(batches):
             path = shards / f"shard-{n:05d}.arrow"
             if path.exists():
                 resumed += 1
             else:
-                write_shard(generate_shard(engine, batch, t, eos_ids[0] if eos_ids else None, cfg.seed + n), path)
+                write_shard(generate_shard(engine, batch, t, eos_ids[0] if eos_ids else None, cfg.seed + n, sample), path)
             progress.advance(task, len(batch))
     table = datasets.concatenate_datasets([datasets.Dataset.from_file(str(p)) for p in sorted(shards.glob("*.arrow"))])
     table.save_to_disk(str(out / TEACHER_DIR))

@@ -1,24 +1,28 @@
 """`draftsmith bench decode`: engine-level decoding speed, side by side in one run.
 
-Rows at batch 1, each over the same held-out demo prompts one after another, greedy, exactly
-`new_tokens` tokens each: transformers `generate`, transformers assisted generation with the same draft,
-draftsmith plain decoding eager and with CUDA graphs, and draftsmith speculative decoding for each K.
-Then, at batch `batch` (continuous batching, `batch` requests running at once): plain, speculative
-with adaptive K, and speculative at each fixed K.
+Every row runs `repeats` times after a warm-up run (which captures CUDA graphs and compiles), and
+reports the median tokens/s with the spread (slowest and fastest run) and the target steps taken.
+At batch 1, the held-out demo prompts one after another, greedy, exactly `new_tokens` tokens each
+(EOS ignored): optionally transformers `generate` and assisted generation, draftsmith plain decoding
+(eager and CUDA graphs only when asked; CUDA graphs and compiled blocks always), and speculative
+decoding with each draft (a draft model or an EAGLE-3 head) at each K. Then at batch `batch`
+(continuous batching): 4 x batch requests, the prompts cycled in order (request i gets prompt
+i mod len(prompts)), plain and speculative with adaptive K <= max K for each draft.
 """
 from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from draftsmith.serve.engine import DTYPES, Engine, eos_ids_of
+from draftsmith.serve.engine import DTYPES, Engine, eos_ids_of, load_draft
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Request, Scheduler
 from draftsmith.serve.stats import SpecStats
@@ -28,23 +32,28 @@ from draftsmith.serve.weights import load_model
 @dataclass
 class BenchRow:
     method: str
-    tokens: int
-    seconds: float
-    target_steps: int
+    tokens: int  # per run
+    target_steps: int  # per run
+    runs_tokens_per_s: list[float] = field(default_factory=list)
     tau: float | None = None
     acceptance_rate: float | None = None
     matches_plain: bool | None = None
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
+        return statistics.median(self.runs_tokens_per_s)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return min(self.runs_tokens_per_s), max(self.runs_tokens_per_s)
 
     @property
     def ms_per_target_step(self) -> float:
-        return 1000 * self.seconds / self.target_steps
+        return 1000 * self.tokens / self.tokens_per_s / self.target_steps
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "ms_per_target_step": self.ms_per_target_step}
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "spread": list(self.spread),
+                "ms_per_target_step": self.ms_per_target_step}
 
 
 def _sync(device: str) -> None:
@@ -60,7 +69,22 @@ def chat_prompts(target_dir: Path, chats: Sequence[list[dict]]) -> list[list[int
     return [list(i["input_ids"] if hasattr(i, "keys") else i) for i in ids]
 
 
-def bench_transformers(target_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: str,
+def timed(method: str, run: Callable[[], tuple[list[list[int]], int, SpecStats]], repeats: int, device: str,
+          speculative: bool) -> tuple[BenchRow, list[list[int]]]:
+    """A warm-up run, then `repeats` timed runs of run() -> (outputs, target steps, spec stats)."""
+    outputs, steps, stats = run()
+    row = BenchRow(method, sum(len(o) for o in outputs), steps, tau=stats.tau if speculative else None,
+                   acceptance_rate=stats.acceptance_rate if speculative else None)
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        run()
+        _sync(device)
+        row.runs_tokens_per_s.append(row.tokens / (time.perf_counter() - started))
+    return row, outputs
+
+
+def bench_transformers(target_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: str, repeats: int,
                        assistant_dir: Path | None = None) -> BenchRow:
     from transformers import AutoModelForCausalLM
 
@@ -69,93 +93,96 @@ def bench_transformers(target_dir: Path, prompts: list[list[int]], new_tokens: i
     if assistant_dir is not None:
         kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=DTYPES[dtype]).to(device).eval()
     settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
-    model.generate(torch.tensor([prompts[0]], device=device), **{**settings, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
-    made, seconds = 0, 0.0
-    for prompt in prompts:
-        _sync(device)
-        started = time.perf_counter()
-        out = model.generate(torch.tensor([prompt], device=device), **settings)
-        _sync(device)
-        seconds += time.perf_counter() - started
-        made += out.shape[1] - len(prompt)
+
+    def run():
+        outputs = [model.generate(torch.tensor([p], device=device), **settings)[0, len(p):].tolist() for p in prompts]
+        return outputs, sum(len(o) for o in outputs), SpecStats()
+
     name = "transformers assisted" if assistant_dir else "transformers generate"
-    return BenchRow(name, made, seconds, made)
+    return timed(name, run, repeats, device, False)[0]
 
 
-def bench_engine(engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int,
-                 repeats: int) -> tuple[BenchRow, list[list[int]]]:
-    """Batch 1, prompt after prompt; each prompt's fastest of `repeats` runs counts."""
+def bench_engine(engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, repeats: int,
+                 device: str) -> tuple[BenchRow, list[list[int]]]:
+    """Batch 1, prompt after prompt."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate([prompts[0]], params, num_speculative_tokens=k)  # warm-up: captures the CUDA graphs
-    tokens, seconds, steps, stats, outputs = 0, 0.0, 0, SpecStats(), []
-    for prompt in prompts:
-        best = min((engine.generate([prompt], params, num_speculative_tokens=k) for _ in range(repeats)), key=lambda g: g.seconds)
-        tokens, seconds, steps = tokens + best.num_tokens, seconds + best.seconds, steps + best.target_steps
-        stats.merge(best.stats)
-        outputs.append(best.completions[0].tokens)
-    row = BenchRow(method, tokens, seconds, steps, tau=stats.tau if k else None,
-                   acceptance_rate=stats.acceptance_rate if k else None)
-    return row, outputs
+
+    def run():
+        runs = [engine.generate([p], params, num_speculative_tokens=k) for p in prompts]
+        stats = SpecStats()
+        for g in runs:
+            stats.merge(g.stats)
+        return [g.completions[0].tokens for g in runs], sum(g.target_steps for g in runs), stats
+
+    return timed(method, run, repeats, device, k > 0)
 
 
 def bench_batch(engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, adaptive: bool,
-                requests: int) -> tuple[BenchRow, list[list[int]]]:
+                requests: int, repeats: int, device: str) -> tuple[BenchRow, list[list[int]]]:
     """`requests` requests (the prompts, cycled) through the continuous-batching scheduler."""
-    stats, steps = SpecStats(), []
-    record = lambda k, accepted: (stats.record(k, accepted), steps.append(k))
-    scheduler = Scheduler(engine, k, adaptive=adaptive, on_step=record)
+    scheduler = Scheduler(engine, k, adaptive=adaptive)
     scheduler.warm_up()  # step costs for adaptive K; on a GPU, every shape's CUDA graph
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    done: dict[int, list[int]] = {}
-    _sync(str(engine.device))
-    started = time.perf_counter()
-    for i in range(requests):
-        scheduler.submit(Request(prompts[i % len(prompts)], params, on_done=lambda r, i=i: done.__setitem__(i, r.tokens)))
-    scheduler.drain()
-    _sync(str(engine.device))
-    seconds = time.perf_counter() - started
-    outputs = [done[i] for i in range(requests)]
-    row = BenchRow(method, sum(len(o) for o in outputs), seconds, len(steps), tau=stats.tau if stats.num_drafts else None,
-                   acceptance_rate=stats.acceptance_rate if stats.num_drafts else None)
-    return row, outputs
+
+    def run():
+        stats, steps, done = SpecStats(), [0], {}
+        scheduler.on_step = lambda k_, accepted: (stats.record(k_, accepted) if k_ else None, steps.__setitem__(0, steps[0] + 1))
+        for i in range(requests):
+            scheduler.submit(Request(prompts[i % len(prompts)], params, on_done=lambda r, i=i: done.__setitem__(i, r.tokens)))
+        scheduler.drain()
+        return [done[i] for i in range(requests)], steps[0], stats
+
+    return timed(method, run, repeats, device, k > 0)
 
 
-def run_bench(target_dir: Path, draft_dir: Path, prompts: list[list[int]], *, new_tokens: int = 256,
+def draft_names(drafts: Sequence[Path]) -> list[str]:
+    """A short name per draft: its kind, numbered when there are several of one kind."""
+    from draftsmith.serve.eagle import is_eagle_dir
+
+    kinds = ["eagle3" if is_eagle_dir(d) else "draft" for d in drafts]
+    return [f"{kind}{sum(k == kind for k in kinds[:i]) + 1}" if kinds.count(kind) > 1 else kind for i, kind in enumerate(kinds)]
+
+
+def run_bench(target_dir: Path, drafts: Sequence[Path], prompts: list[list[int]], *, new_tokens: int = 256,
               ks: tuple[int, ...] = (2, 4, 6), device: str = "cuda", dtype: str = "bfloat16", repeats: int = 3,
-              with_transformers: bool = True, with_assisted: bool = False, batch: int = 16) -> list[BenchRow]:
+              with_transformers: bool = False, with_assisted: bool = False, with_eager: bool = False,
+              batch: int = 16) -> list[BenchRow]:
     max_seq_len = max(len(p) for p in prompts) + new_tokens + max(ks) + 8
     rows: list[BenchRow] = []
     if with_transformers:
-        rows.append(bench_transformers(target_dir, prompts, new_tokens, device, dtype))
-    if with_assisted:
-        rows.append(bench_transformers(target_dir, prompts, new_tokens, device, dtype, assistant_dir=draft_dir))
+        rows.append(bench_transformers(target_dir, prompts, new_tokens, device, dtype, repeats))
+    standalone = [d for d, name in zip(drafts, draft_names(drafts)) if name.startswith("draft")]
+    if with_assisted and standalone:
+        rows.append(bench_transformers(target_dir, prompts, new_tokens, device, dtype, repeats, assistant_dir=standalone[0]))
     target = load_model(target_dir, DTYPES[dtype], device)
-    draft = load_model(draft_dir, DTYPES[dtype], device)
+    models = {name: load_draft(d, DTYPES[dtype], device) for name, d in zip(draft_names(drafts), drafts)}
     eos = eos_ids_of(target_dir)
     graphs = device.startswith("cuda")
-    if graphs:  # what CUDA graphs alone save, then what compiling the blocks adds
+    # engines share the target: each one's setup replaces its KV cache, so one engine at a time
+    if graphs and with_eager:  # what CUDA graphs alone save, then what compiling the blocks adds
         for method, graph in (("plain, eager", False), ("plain, CUDA graphs", True)):
-            engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graph, compile_blocks=False, eos_token_ids=eos)
-            rows.append(bench_engine(engine, method, prompts, new_tokens, 0, repeats=1)[0])
-    engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
+            engine = Engine(target, max_seq_len=max_seq_len, cuda_graphs=graph, compile_blocks=False, eos_token_ids=eos)
+            rows.append(bench_engine(engine, method, prompts, new_tokens, 0, repeats, device)[0])
     mode = "graphs+compile" if graphs else "eager"
-    row, plain_tokens = bench_engine(engine, f"plain, {mode}", prompts, new_tokens, 0, repeats)
+    row, plain = bench_engine(Engine(target, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos),
+                              f"plain, {mode}", prompts, new_tokens, 0, repeats, device)
     rows.append(row)
-    for k in ks:
-        row, tokens = bench_engine(engine, f"speculative K={k}, {mode}", prompts, new_tokens, k, repeats)
-        row.matches_plain = tokens == plain_tokens
-        rows.append(row)
+    for name, draft in models.items():
+        engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
+        for k in ks:
+            row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, new_tokens, k, repeats, device)
+            row.matches_plain = tokens == plain
+            rows.append(row)
     if batch > 1:
-        del engine  # engines share the models; each one's setup replaces their caches
-        # CUDA graphs without compiling: the batch runs a few buckets x (K + 1) shapes, each a compile
-        engine = Engine(target, draft, max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=graphs,
-                        compile_blocks=False, eos_token_ids=eos)
         requests = 4 * batch
-        row, plain_batch = bench_batch(engine, f"plain, batch {batch}", prompts, new_tokens, 0, False, requests)
+        # CUDA graphs without compiling: the batch runs a few buckets x (K + 1) shapes, each a compile
+        engine_of = lambda draft=None: Engine(target, draft, max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=graphs,
+                                              compile_blocks=False, eos_token_ids=eos)
+        row, plain_batch = bench_batch(engine_of(), f"plain, batch {batch}", prompts, new_tokens, 0, False, requests, repeats, device)
         rows.append(row)
-        for k, adaptive in [(max(ks), True), *((k, False) for k in ks)]:
-            name = f"speculative adaptive K<={k}, batch {batch}" if adaptive else f"speculative K={k}, batch {batch}"
-            row, tokens = bench_batch(engine, name, prompts, new_tokens, k, adaptive, requests)
+        for name, draft in models.items():
+            row, tokens = bench_batch(engine_of(draft), f"{name} adaptive K<={max(ks)}, batch {batch}", prompts, new_tokens,
+                                      max(ks), True, requests, repeats, device)
             row.matches_plain = tokens == plain_batch
             rows.append(row)
     return rows

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU measurements of the README's Benchmarks section, on the offline GPU machine, in three calls
-# of under 10 minutes each (after `source .gpu/prelude.sh`, see ../shared/gpu/README.md):
-#   bash evaluate/h200_bench.sh pipeline   demo target -> distilled W4A16 draft -> bundle (gates overridden)
-#   bash evaluate/h200_bench.sh decode     bench decode: batch 1 and 16, side by side, greedy
-#   bash evaluate/h200_bench.sh serve      the GPU tests, then draftsmith serve on the bundle + bench serve
-# Results go to $OUT (the device tool brings them back).
+# The GPU measurements of the README's Benchmarks section, on the offline GPU machine, as calls of under
+# 10 minutes each (after `source .gpu/prelude.sh`, see ../shared/gpu/README.md), in this order:
+#   bash evaluate/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads)
+#   bash evaluate/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
+#   bash evaluate/h200_bench.sh standalone   demo target -> distilled W4A16 draft model (stops after quantize)
+#   bash evaluate/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
+#   bash evaluate/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
+# Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT.
 set -euo pipefail
 root=/root/draftsmith-gpu
 out=${OUT:-/tmp/out}
@@ -12,33 +14,41 @@ mkdir -p "$out"
 cli=(python3 -m draftsmith.pipeline.cli)
 newest() { ls -td $1 2>/dev/null | head -1; }
 get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8011$1').read().decode())"; }
+common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs)
+# the EAGLE-3 head: 3 more sampled responses per training prompt, 64 sequences a step
+eagle=(draft=eagle3 distill.teacher.extra_samples=3 distill.teacher.batch_size=128 distill.batch_size=64
+       distill.learning_rate=1e-3 distill.max_steps=1500 distill.eval_every=500)
 
-case "${1:?pipeline, decode or serve}" in
-pipeline)
-  # evaluate at batch 4 on 16 held-out prompts: enough to choose K for the bundle, quick on one GPU
-  "${cli[@]}" run preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs \
-    distill.eval_every=1000 evaluate.num_prompts=16 evaluate.batch_size=4 evaluate.max_new_tokens=96 \
-    evaluate.max_speculative_tokens=4 publish.override_gates=true stop_after=publish 2>&1 | tail -40
-  cp "$(newest "$root/runs/quantize/*")/stage.json" "$out/quantize_stage.json" || true
-  cp "$(newest "$root/runs/evaluate/*")"/{stage.json,eval.md} "$out/" || true
+case "${1:?tests, eagle, standalone, decode or serve}" in
+tests)
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py 2>&1 | tail -15
+  ;;
+eagle)
+  "${cli[@]}" run "${common[@]}" "${eagle[@]}" evaluate.max_speculative_tokens=8 publish.override_gates=true \
+    stop_after=publish 2>&1 | tail -60
+  for s in teacher distill evaluate publish; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/${s}_stage.json" || true; done
+  cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
+  ;;
+standalone)
+  "${cli[@]}" run "${common[@]}" distill.eval_every=1000 stop_after=quantize 2>&1 | tail -40
+  for s in distill quantize; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/standalone_${s}_stage.json" || true; done
   ;;
 decode)
-  "${cli[@]}" bench decode --device cuda --assisted --prompts 4 --new-tokens 256 --batch 16 --k 2 --k 3 --k 4 \
-    --draft "$(newest "$root/runs/quantize/*")/draft" --cache-dir $root/cache --out "$out/bench_decode.json"
+  "${cli[@]}" bench decode --device cuda --prompts 8 --new-tokens 256 --batch 16 --k 2 --k 3 --k 4 --k 5 --repeats 3 \
+    --draft "$(newest "$root/runs/publish/*")/bundle/draft" --draft "$(newest "$root/runs/quantize/*/draft")" \
+    --cache-dir $root/cache --out "$out/bench_decode.json"
   ;;
 serve)
   bundle=$(newest "$root/runs/publish/*")/bundle
   "${cli[@]}" serve "$bundle" --device cuda --port 8011 > "$out/serve.log" 2>&1 &
   server=$!
   trap 'kill $server 2>/dev/null || true' EXIT
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tail -5
   for _ in $(seq 600); do
     get /ready >/dev/null 2>&1 && break
     kill -0 $server 2>/dev/null || { tail -20 "$out/serve.log"; exit 1; }
     sleep 1
   done
-  "${cli[@]}" bench serve --url http://127.0.0.1:8011 --concurrency 1 --concurrency 4 --concurrency 16 \
-    --concurrency 64 --duration 20 --out "$out/bench_serve.json"
+  "${cli[@]}" bench serve --url http://127.0.0.1:8011 --concurrency 1 --concurrency 16 --duration 20 --out "$out/bench_serve.json"
   get /metrics | grep -E '^draftsmith.spec_decode' | head -20 || true
   ;;
 esac

@@ -48,22 +48,24 @@ app.add_typer(bench, name="bench")
 @bench.command("decode")
 def bench_decode(
     target: str = typer.Option("demo", help="target: 'demo', an HF model dir or a .gguf file"),
-    draft: Path = typer.Option(None, help="draft HF dir; default: the target's embeddings, head and --draft-layers of its layers"),
+    draft: list[Path] = typer.Option([], "--draft", help="a draft model dir or an EAGLE-3 head dir (repeatable: side by side); "
+                                                          "default: the target's embeddings, head and --draft-layers of its layers"),
     draft_layers: int = typer.Option(4, help="layers of the default from-target draft"),
     new_tokens: int = typer.Option(256, help="tokens generated per prompt (EOS ignored)"),
-    prompts: int = typer.Option(4, help="held-out demo prompts, run one after another at batch 1"),
+    prompts: int = typer.Option(8, help="held-out demo prompts, run one after another at batch 1"),
     batch: int = typer.Option(16, help="also measure continuous batching with this many requests at once (0: skip)"),
     k: list[int] = typer.Option([2, 4, 6], "--k", help="num_speculative_tokens to measure (repeatable)"),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
-    repeats: int = typer.Option(3, help="timed runs per row after a warm-up; the fastest counts"),
-    transformers_baseline: bool = typer.Option(True, help="include transformers generate"),
-    assisted: bool = typer.Option(False, help="include transformers assisted generation with the same draft"),
+    repeats: int = typer.Option(3, help="timed runs per row after a warm-up run; the median counts, the spread is shown"),
+    transformers_baseline: bool = typer.Option(False, help="include transformers generate"),
+    assisted: bool = typer.Option(False, help="include transformers assisted generation with the (first) draft model"),
+    eager: bool = typer.Option(False, help="include plain decoding eager and with CUDA graphs but no compiled blocks"),
     out: Path = typer.Option(None, help="write the rows as JSON here"),
     cache_dir: str = typer.Option("~/.cache/draftsmith", help="where converted targets are kept"),
 ) -> None:
-    """Decode speed, greedy: at batch 1 transformers generate (and assisted), plain decode eager and with CUDA
-    graphs, speculative per K; then plain, adaptive and fixed-K speculative at --batch requests at once."""
+    """Decode speed, greedy, each row the median of --repeats runs: at batch 1 plain decoding and each draft at
+    each K; then plain and adaptive-K speculative with each draft at --batch requests at once."""
     import tempfile
 
     import torch
@@ -80,25 +82,27 @@ def bench_decode(
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     target_dir = resolve_target_dir(TargetConfig(name_or_path=target, cache_dir=cache_dir, gguf_file=None))
     with tempfile.TemporaryDirectory() as tmp:
-        if draft is None:
+        if not draft:
             layers = every_nth_layer(read_config(target_dir)["num_hidden_layers"], draft_layers)
-            draft = build_from_target(target_dir, Path(tmp) / "draft", layers)
+            draft = [build_from_target(target_dir, Path(tmp) / "draft", layers)]
         ids = chat_prompts(target_dir, heldout_messages()[:prompts])
-        rows = run_bench(target_dir, draft, ids, new_tokens=new_tokens, ks=tuple(k), device=device, dtype=dtype,
-                         repeats=repeats, with_transformers=transformers_baseline, with_assisted=assisted, batch=batch)
+        rows = run_bench(target_dir, draft, ids, new_tokens=new_tokens, ks=tuple(k), device=device, dtype=dtype, repeats=repeats,
+                         with_transformers=transformers_baseline, with_assisted=assisted, with_eager=eager, batch=batch)
     hf = next((r for r in rows if r.method == "transformers generate"), None)
     plain_of = lambda r: [p for p in rows if p.method.startswith("plain") and ("batch" in p.method) == ("batch" in r.method)][-1]
-    table = Table(title=f"bench decode: {target} on {device}, {prompts} held-out prompts x {new_tokens} new tokens, greedy")
-    for column in ("method", "tok/s", "ms/step", "tau", "alpha", "x HF", "x plain", "=plain"):
+    table = Table(title=f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {new_tokens} new tokens, greedy, "
+                        f"median of {repeats} runs")
+    for column in ("method", "tok/s", "min-max", "ms/step", "steps", "tau", "alpha", "x HF", "x plain", "=plain"):
         table.add_column(column, justify="right" if column != "method" else "left")
     for r in rows:
-        table.add_row(r.method, f"{r.tokens_per_s:.1f}", f"{r.ms_per_target_step:.3f}",
+        low, high = r.spread
+        table.add_row(r.method, f"{r.tokens_per_s:.1f}", f"{low:.0f}-{high:.0f}", f"{r.ms_per_target_step:.3f}", str(r.target_steps),
                       f"{r.tau:.2f}" if r.tau else "", f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "",
                       f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "", f"{r.tokens_per_s / plain_of(r).tokens_per_s:.2f}x",
                       {True: "yes", False: "no", None: ""}[r.matches_plain])
     Console().print(table)
     if out:
-        write_results(rows, out, " ".join(sys.argv), device, {"target": target, "draft": str(draft)})
+        write_results(rows, out, " ".join(sys.argv), device, {"target": target, "drafts": [str(d) for d in draft]})
 
 
 @bench.command("serve")

@@ -89,6 +89,8 @@ class DraftConfig:
 class TeacherConfig:
     max_new_tokens: int = MISSING
     temperature: float = MISSING  # 0: greedy responses
+    extra_samples: int = MISSING  # more responses per training prompt, sampled at sample_temperature
+    sample_temperature: float = MISSING
     top_k_logits: int = MISSING  # 0: no logit cache (training then runs the target online)
     batch_size: int = MISSING
 
@@ -218,6 +220,10 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
         _check(getattr(d.teacher, key) >= 1, f"distill.teacher.{key}", "1 or more", getattr(d.teacher, key))
     _check(d.learning_rate > 0, "distill.learning_rate", "a positive number", d.learning_rate)
     _check(d.teacher.temperature >= 0, "distill.teacher.temperature", "0 (greedy) or more", d.teacher.temperature)
+    _check(d.teacher.extra_samples >= 0, "distill.teacher.extra_samples", "0 or more", d.teacher.extra_samples)
+    _check(d.teacher.sample_temperature > 0 or d.teacher.extra_samples == 0, "distill.teacher.sample_temperature",
+           "a positive temperature when distill.teacher.extra_samples > 0 (else the samples repeat the greedy response)",
+           d.teacher.sample_temperature)
     _check(typed.stop_after in (None, *STAGE_NAMES), "stop_after", f"null or one of {', '.join(STAGE_NAMES)}", typed.stop_after)
     try:
         check_bits(q.bits)

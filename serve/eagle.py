@@ -34,8 +34,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from draftsmith.serve.model import (Attention, CachedModel, FeedForward, ModelArgs, Placement, RMSNorm,
-                                    UnsupportedModelError, rope_inv_freq)
+from draftsmith.serve.model import (Attention, CachedModel, FeedForward, ModelArgs, RMSNorm, UnsupportedModelError,
+                                    rope_inv_freq)
 
 MODEL_TYPE = "eagle3"
 FORMAT = "speculators"
@@ -83,9 +83,10 @@ class EagleLayer(nn.Module):
         normed = self.hidden_norm(h)
         return torch.cat([self.attention_norm(embeds), normed], dim=-1), normed if self.norm_before_residual else h
 
-    def forward(self, h: Tensor, embeds: Tensor, at: Placement) -> Tensor:
+    def forward(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
+                read: Tensor | None = None) -> Tensor:
         x, residual = self.attention_input(h, embeds)
-        h = residual + self.attention(x, at.cos, at.sin, at.mask, at.rows, at.slots, at.read)
+        h = residual + self.attention(x, cos, sin, mask, rows, slots, read)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def unrolled(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
@@ -131,7 +132,7 @@ class EagleHead(CachedModel):
         (before the final norm: what the next entry reads, and what `logits` turns into proposals)."""
         at = self.place(positions, cache_rows)
         run = self.fused_layers if fused and self.fused_layers is not None else _run_layers
-        return run(self.layers, hidden, embeds, at)
+        return run(self.layers, hidden, embeds, at.cos, at.sin, at.mask, at.rows, at.slots, at.read)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[..., hidden] -> logits over the draft vocabulary [..., V_draft] (entries map to self.vocab)."""
@@ -157,9 +158,10 @@ class EagleHead(CachedModel):
             yield hidden
 
 
-def _run_layers(layers: nn.ModuleList, h: Tensor, embeds: Tensor, at: Placement) -> Tensor:
+def _run_layers(layers: nn.ModuleList, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor,
+                slots: Tensor, read: Tensor | None = None) -> Tensor:
     for layer in layers:
-        h = layer(h, embeds, at)
+        h = layer(h, embeds, cos, sin, mask, rows, slots, read)
     return h
 
 

@@ -92,3 +92,20 @@ def tiny_chat_target(demo_target_dir, tmp_path_factory):
     config.update(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def save_tiny_head(target_dir: Path, path: Path, seed: int, vocab: list[int] | None = None, num_layers: int = 1) -> Path:
+    """An EAGLE-3 head for a tiny target, at random (larger-than-default weights, as for the tiny models),
+    over `vocab` (default: the whole vocabulary), saved in the speculators format."""
+    from draftsmith.distill.eagle import build_head, resolve_aux_layers
+    from draftsmith.serve.eagle import save_head
+    from draftsmith.serve.weights import read_config
+
+    config = read_config(target_dir)
+    vocab = vocab if vocab is not None else list(range(config["vocab_size"]))
+    head, layer_config = build_head(target_dir, num_layers, resolve_aux_layers([], config["num_hidden_layers"]), vocab, seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return save_head(head, path, layer_config, {"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]}, 3)

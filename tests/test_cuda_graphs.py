@@ -6,18 +6,31 @@ Needs a GPU (CI has none, so these are skipped there); run on the GPU machine wi
 import pytest
 import torch
 
+from draftsmith.serve.eagle import load_head
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Request, Scheduler
 from draftsmith.serve.weights import load_model
+from tests.conftest import save_tiny_head
 from tests.test_speculative import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-def engine(tiny_models, dtype, batch, graphs, compile_blocks=False):
+@pytest.fixture(scope="module", params=["draft model", "eagle3"])
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_models, tmp_path_factory):
+    return save_tiny_head(tiny_models["smollm2"][0], tmp_path_factory.mktemp("head") / "head", seed=1)
+
+
+def engine(tiny_models, dtype, batch, graphs, compile_blocks=False, kind="draft model", head_dir=None):
     target_dir, draft_dir = tiny_models["smollm2"]
-    target, draft = load_model(target_dir, dtype, "cuda"), load_model(draft_dir, dtype, "cuda")
+    target = load_model(target_dir, dtype, "cuda")
+    draft = load_head(head_dir, dtype, "cuda") if kind == "eagle3" else load_model(draft_dir, dtype, "cuda")
     return Engine(target, draft, max_batch_size=batch, max_seq_len=96, cuda_graphs=graphs, compile_blocks=compile_blocks)
 
 
@@ -25,22 +38,26 @@ def outputs(e, prompts, k, batch, params=SamplingParams(max_new_tokens=24)):
     return [c.tokens for i in range(0, len(prompts), batch) for c in e.generate(prompts[i:i + batch], params, num_speculative_tokens=k).completions]
 
 
-def test_step_graphs_equal_eager_decoding(tiny_models):
+def test_step_graphs_equal_eager_decoding(tiny_models, kind, head_dir):
     # float64 and no compiling: graphs replay the eager kernels, so outputs must match exactly
     prompts = random_prompts(16, 97, seed=3)
-    eager, graphed = engine(tiny_models, torch.float64, 4, False), engine(tiny_models, torch.float64, 4, True)
+    eager = engine(tiny_models, torch.float64, 4, False, kind=kind, head_dir=head_dir)
+    graphed = engine(tiny_models, torch.float64, 4, True, kind=kind, head_dir=head_dir)
     expected = outputs(eager, prompts, 0, 4)
+    for k in (1, 3, 5):  # the heads' catch-up in the graph keeps them where eager decoding keeps them
+        assert eager.generate(prompts[:4], SamplingParams(max_new_tokens=24), k).stats.as_dict() == \
+            graphed.generate(prompts[:4], SamplingParams(max_new_tokens=24), k).stats.as_dict(), f"K={k}"
     for k in (0, 1, 3, 5):
         assert outputs(graphed, prompts, k, 4) == expected, f"K={k}"
         assert outputs(graphed, prompts[:4], k, 1) == expected[:4], f"K={k}, batch 1"
     assert {(4, 0), (4, 3), (1, 5)} <= set(graphed.step_graphs.graphs)  # the steps did run as whole-step graphs
 
 
-def test_scheduler_with_step_graphs_equals_eager(tiny_models):
+def test_scheduler_with_step_graphs_equals_eager(tiny_models, kind, head_dir):
     prompts = random_prompts(12, 97, seed=4)
     params = SamplingParams(max_new_tokens=20)
     expected = outputs(engine(tiny_models, torch.float64, 1, False), prompts, 0, 1, params)
-    scheduler = Scheduler(engine(tiny_models, torch.float64, 4, True), 3)
+    scheduler = Scheduler(engine(tiny_models, torch.float64, 4, True, kind=kind, head_dir=head_dir), 3)
     scheduler.warm_up()
     done = {}
     for i, prompt in enumerate(prompts):  # more requests than rows: they join as rows free up
@@ -49,9 +66,9 @@ def test_scheduler_with_step_graphs_equals_eager(tiny_models):
     assert [done[i] for i in range(len(prompts))] == expected
 
 
-def test_compiled_step_graphs_speculative_equals_plain(tiny_models):
+def test_compiled_step_graphs_speculative_equals_plain(tiny_models, kind, head_dir):
     prompts = random_prompts(8, 97, seed=5)
-    e = engine(tiny_models, torch.float32, 4, True, compile_blocks=True)
+    e = engine(tiny_models, torch.float32, 4, True, compile_blocks=True, kind=kind, head_dir=head_dir)
     plain = outputs(e, prompts, 0, 4)
     assert outputs(e, prompts, 3, 4) == plain
     sampled = e.generate(prompts[:4], SamplingParams(temperature=0.8, max_new_tokens=16, seed=0), num_speculative_tokens=3)

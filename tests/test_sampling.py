@@ -70,11 +70,27 @@ def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def speculative_samples(target_dir, draft_dir, params: SamplingParams, verify=None, proposer=None) -> np.ndarray:
-    engine = Engine(load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64),
+def speculative_samples(target_dir, draft_dir, params: SamplingParams, verify=None, proposer=None, vocab=None, k: int = 2):
+    """The first 3 tokens of SAMPLES generations. With K = 2, tokens 2 and 3 are drafts or corrections;
+    with K = 1, token 3 is the bonus whenever the draft was accepted."""
+    draft = load_model(draft_dir, torch.float64)
+    if vocab is not None:
+        draft.use_vocab(vocab)
+    engine = Engine(load_model(target_dir, torch.float64), draft,
                     max_batch_size=SAMPLES, max_seq_len=12, **({"verify": verify} if verify else {}))
-    got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=2, proposer=proposer)
+    got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=k, proposer=proposer)
     return np.array([c.tokens[:3] for c in got.completions]), got.stats
+
+
+def bonus_from_the_draft(draft_tokens, draft_probs, target_probs, generator):
+    """Wrong on purpose: the right ratio test and residual, but a bonus drawn from the draft's last
+    distribution instead of the target's next one."""
+    from draftsmith.serve.rejection import rejection_sample
+
+    num_accepted, tokens = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+    K = draft_tokens.shape[1]
+    wrong = sample(draft_probs[:, -1], generator)
+    return num_accepted, torch.where(num_accepted.unsqueeze(1) == K, torch.cat([draft_tokens, wrong.unsqueeze(1)], 1), tokens)
 
 
 def accept_only_equal_samples(draft_tokens, draft_probs, target_probs, generator):
@@ -88,15 +104,15 @@ def accept_only_equal_samples(draft_tokens, draft_probs, target_probs, generator
 SETTINGS = [(0.7, 1.0), (1.0, 1.0), (1.0, 0.9)]
 
 
-@pytest.mark.parametrize("temperature,top_p", SETTINGS)
-def test_speculative_sampling_matches_target_distribution(small_vocab_models, temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,k", [(t, p, 2) for t, p in SETTINGS] + [(1.0, 1.0, 1)])
+def test_speculative_sampling_matches_target_distribution(small_vocab_models, temperature, top_p, k):
     target_dir, draft_dir = small_vocab_models
     joint = exact_joint(target_dir, temperature, top_p)
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=1234, max_new_tokens=3)
-    tokens, stats = speculative_samples(target_dir, draft_dir, params)
+    tokens, stats = speculative_samples(target_dir, draft_dir, params, k=k)
     assert 0.05 < stats.acceptance_rate < 0.95  # both acceptance and rejection are exercised
     first_two = chi_square_p(tokens[:, 0] * VOCAB + tokens[:, 1], joint.sum(2))
-    # tokens 2 and 3 both come from one speculative step: accepted drafts, corrections and bonuses
+    # tokens 2 and 3 both come from one speculative step: accepted drafts, corrections and (K = 1) bonuses
     second_third = chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0))
     assert first_two > 1e-3 and second_third > 1e-3, (first_two, second_third)
 
@@ -112,12 +128,13 @@ def test_prompt_lookup_sampling_matches_target_distribution(small_vocab_models):
     assert second_third > 1e-3, second_third
 
 
-@pytest.mark.parametrize("temperature,top_p", SETTINGS[1:])
-def test_the_distribution_test_catches_a_wrong_verifier(small_vocab_models, temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,verify,k", [(t, p, accept_only_equal_samples, 2) for t, p in SETTINGS[1:]]
+                         + [(1.0, 1.0, bonus_from_the_draft, 1)])
+def test_the_distribution_test_catches_a_wrong_verifier(small_vocab_models, temperature, top_p, verify, k):
     target_dir, draft_dir = small_vocab_models
     joint = exact_joint(target_dir, temperature, top_p)
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=1234, max_new_tokens=3)
-    tokens, _ = speculative_samples(target_dir, draft_dir, params, verify=accept_only_equal_samples)
+    tokens, _ = speculative_samples(target_dir, draft_dir, params, verify=verify, k=k)
     second_third = chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0))
     assert second_third < 1e-6
 

@@ -1,0 +1,194 @@
+"""EAGLE-3 heads: training-time test unrolls the head exactly as inference runs it; training lowers the
+loss, raises acceptance and resumes where it stopped; decoding with a head (or with a draft model on a
+vocabulary subset) is lossless: greedy output equals the target's token for token, and sampled output
+follows the target's distribution (chi-square, bonus token observed)."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith.distill import eagle
+from draftsmith.distill.train import Distiller
+from draftsmith.pipeline.config import DistillConfig, DistillLoss, TeacherConfig
+from draftsmith.serve.eagle import load_head
+from draftsmith.serve.engine import Engine
+from draftsmith.serve.proposers import EagleProposer
+from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.weights import load_model
+from tests.conftest import save_tiny_head, save_tiny_model
+from tests.test_sampling import PROMPT, SAMPLES, VOCAB, chi_square_p, exact_joint, small_vocab_models  # noqa: F401
+from tests.test_speculative import random_prompts
+
+
+def distill_config(max_steps: int = 150, eval_every: int = 50) -> DistillConfig:
+    return DistillConfig(teacher=TeacherConfig(max_new_tokens=24, temperature=0.0, extra_samples=0, sample_temperature=0.8,
+                                               top_k_logits=0, batch_size=16),
+                         loss=DistillLoss.forward_kl, temperature=1.0, jsd_beta=0.5, learning_rate=3e-3, warmup_steps=5,
+                         max_steps=max_steps, batch_size=16, grad_accum_steps=1, max_grad_norm=1.0, eval_every=eval_every,
+                         max_seq_len=64)
+
+
+def greedy_rows(target_dir, n: int = 256, new_tokens: int = 24) -> list[dict]:
+    """The target's greedy continuations of random prompts as teacher rows, one in eight held out."""
+    engine = Engine(load_model(target_dir, torch.float32), max_batch_size=64, max_seq_len=64)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(97) for _ in range(rng.randint(2, 8))] for _ in range(n)]
+    rows = []
+    for i in range(0, n, 64):
+        got = engine.generate(prompts[i:i + 64], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        rows += [{"id": str(j), "prompt_ids": c.prompt_tokens, "response_ids": c.tokens, "split": "eval" if j % 8 == 0 else "train"}
+                 for j, c in enumerate(got.completions, i)]
+    return rows
+
+
+def distiller(target_dir, rows, work_dir, cfg: DistillConfig, log=lambda step, m: None) -> Distiller:
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    aux = eagle.resolve_aux_layers([], 3)
+    head, layer_config = eagle.build_head(target_dir, 1, aux, list(range(97)), seed=0)
+    objective = eagle.EagleObjective(cfg, aux, list(range(97)), layer_config, {"name_or_path": str(target_dir), "architectures": []})
+    student = eagle.UnrolledHead(head, target.get_input_embeddings(), steps=4, decay=0.8)
+    train = [r for r in rows if r["split"] == "train"]
+    return Distiller(cfg, student, target, objective, train, [r for r in rows if r["split"] == "eval"], work_dir, 0, cpu=True, log=log)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_models, tmp_path_factory):
+    """A head trained for 150 steps on the tiny SmolLM2-shaped target's own greedy text."""
+    target_dir = tiny_models["smollm2"][0]
+    tmp = tmp_path_factory.mktemp("eagle")
+    rows = greedy_rows(target_dir)
+    d = distiller(target_dir, rows, tmp / "work", distill_config())
+    result = d.train()
+    d.save_draft(tmp / "head")
+    return target_dir, tmp / "head", result["history"], rows
+
+
+def test_the_unrolled_head_is_what_inference_runs(tiny_models, tmp_path):
+    """Step j of training-time test at entry t equals the head after inference's catch-up and j own steps."""
+    target_dir = tiny_models["smollm2"][0]
+    head = load_head(save_tiny_head(target_dir, tmp_path / "h", seed=2), torch.float64)
+    target = load_model(target_dir, torch.float64)
+    sequence = torch.tensor([random_prompts(1, 97, seed=1)[0][:1] + list(range(3, 17))])  # [1, 15]
+    target.setup_cache(1, 32)
+    _, features = target(sequence, torch.arange(15)[None], hidden_layers=head.aux_layers)
+    steps = list(head.unroll(sequence, features, target.tok_embeddings, 4))  # [1, 14, hidden] each
+    for L in (1, 5, 9):  # prompts of L tokens, the token at L sampled after them
+        target.setup_cache(1, 32)
+        head.setup_cache(1, 32)
+        proposer = EagleProposer(head, target.tok_embeddings)
+        _, prompt_features = target(sequence[:, :L], torch.arange(L)[None], hidden_layers=head.aux_layers)
+        hidden = proposer.prefill(sequence[:, :L], torch.arange(L)[None], torch.tensor([L]), sequence[:, L], prompt_features, None)
+        assert torch.allclose(hidden, steps[0][:, L - 1], atol=1e-12)
+        for j in range(1, 4):  # the next drafts, as if each earlier one had been the data's token
+            hidden = head(target.tok_embeddings(sequence[:, L + j:L + j + 1]), hidden.unsqueeze(1), torch.tensor([[L - 1 + j]]))[:, 0]
+            assert torch.allclose(hidden, steps[j][:, L - 1], atol=1e-12), (L, j)
+
+
+def test_training_lowers_the_loss_and_raises_acceptance(trained):
+    _, _, history, _ = trained
+    first, last = history[0], history[-1]
+    assert last["eval_loss"] < 0.8 * first["eval_loss"], history
+    assert last["eval_alpha_1"] > first["eval_alpha_1"] + 0.05 and last["eval_tau_4"] > first["eval_tau_4"], history
+
+
+def test_greedy_with_a_head_equals_target_greedy(trained):
+    target_dir, head_dir, _, rows = trained
+    target, head = load_model(target_dir, torch.float64), load_head(head_dir, torch.float64)
+    prompts = [r["prompt_ids"] for r in rows if r["split"] == "eval"][:24]
+    params = SamplingParams(max_new_tokens=16)
+    one, four = Engine(target, head, max_batch_size=1, max_seq_len=64), None
+    expected = [one.generate([p], params).completions[0].tokens for p in prompts]
+    four = Engine(load_model(target_dir, torch.float64), load_head(head_dir, torch.float64), max_batch_size=4, max_seq_len=64)
+    accepted = 0
+    for k in range(1, 9):
+        for i in range(0, len(prompts), 4):
+            got = four.generate(prompts[i:i + 4], params, num_speculative_tokens=k)
+            assert [c.tokens for c in got.completions] == expected[i:i + 4], f"K={k}, prompts {i}..{i + 3}"
+            accepted += got.stats.num_accepted_tokens
+        for i in range(0, len(prompts), 6):
+            assert one.generate([prompts[i]], params, num_speculative_tokens=k).completions[0].tokens == expected[i], f"K={k}, batch 1"
+    assert accepted > 50  # the trained head is accepted often: acceptance paths run
+
+
+def test_training_resumes_where_it_stopped(tiny_models, tmp_path):
+    """A run stopped after its first checkpoint and started again ends where an uninterrupted one ends."""
+    target_dir = tiny_models["smollm2"][0]
+    rows = greedy_rows(target_dir, n=64)
+    cfg = distill_config(max_steps=8, eval_every=4)
+    whole = distiller(target_dir, rows, tmp_path / "whole", cfg)
+    whole.train()
+
+    def stop_at_six(step, metrics):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distiller(target_dir, rows, tmp_path / "stopped", cfg, log=stop_at_six).train()
+    resumed = distiller(target_dir, rows, tmp_path / "stopped", cfg)
+    history = resumed.train()["history"]
+    assert [h["step"] for h in history] == [0, 4, 8]
+    for a, b in zip(whole.draft.parameters(), resumed.draft.parameters()):
+        assert torch.equal(a, b)
+
+
+def head_samples(target_dir, head_dir, params: SamplingParams, k: int) -> tuple[np.ndarray, object]:
+    engine = Engine(load_model(target_dir, torch.float64), load_head(head_dir, torch.float64), max_batch_size=SAMPLES, max_seq_len=12)
+    got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=k)
+    return np.array([c.tokens[:3] for c in got.completions]), got.stats
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sampling_with_a_head_on_a_vocabulary_subset_follows_the_target(small_vocab_models, tmp_path, k):  # noqa: F811
+    # the head proposes from 8 of the 12 tokens: the other 4 come only from corrections and bonuses.
+    # K=1 observes the bonus token (tokens 2 and 3 are the draft or its correction, then the bonus)
+    target_dir, _ = small_vocab_models
+    head_dir = save_tiny_head(target_dir, tmp_path / "head", seed=5, vocab=[0, 1, 2, 4, 5, 7, 8, 10])
+    joint = exact_joint(target_dir, 1.0, 1.0)
+    tokens, stats = head_samples(target_dir, head_dir, SamplingParams(temperature=1.0, seed=4321, max_new_tokens=3), k)
+    assert 0.05 < stats.acceptance_rate < 0.95
+    second_third = chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0))
+    assert second_third > 1e-3, second_third
+
+
+def test_a_draft_model_on_a_vocabulary_subset_stays_lossless(small_vocab_models, tiny_models):  # noqa: F811
+    from tests.test_sampling import speculative_samples
+
+    target_dir, draft_dir = small_vocab_models
+    subset = torch.tensor([0, 2, 3, 5, 6, 9, 11])
+    joint = exact_joint(target_dir, 1.0, 1.0)
+    tokens, stats = speculative_samples(target_dir, draft_dir, SamplingParams(temperature=1.0, seed=77, max_new_tokens=3),
+                                        vocab=subset, k=1)
+    assert 0.05 < stats.acceptance_rate < 0.95
+    assert chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0)) > 1e-3
+    # greedy: a token outside the subset is never proposed, and the output is the target's
+    big_target, big_draft = tiny_models["llama"]
+    target, draft = load_model(big_target, torch.float64), load_model(big_draft, torch.float64)
+    draft.use_vocab(torch.arange(0, 97, 2))
+    engine = Engine(target, draft, max_batch_size=4, max_seq_len=64)
+    prompts = random_prompts(8, 97, seed=8)
+    params = SamplingParams(max_new_tokens=16)
+    expected = [c.tokens for i in (0, 4) for c in engine.generate(prompts[i:i + 4], params).completions]
+    for k in (1, 3):
+        assert [c.tokens for i in (0, 4) for c in engine.generate(prompts[i:i + 4], params, k).completions] == expected
+
+
+def test_a_head_made_for_another_target_is_refused(tiny_models, tmp_path):
+    from draftsmith.serve.engine import EngineError
+
+    head_dir = save_tiny_head(tiny_models["smollm2"][0], tmp_path / "h", seed=1)  # hidden size 96
+    with pytest.raises(EngineError, match="target_hidden_size 96 != the target's hidden size 64"):
+        Engine(load_model(tiny_models["llama"][0]), load_head(head_dir))
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens_then_the_lowest_ids():
+    data = [[5, 5, 5, 9, 9, 3], [9, 7]]
+    assert eagle.draft_vocabulary(data, 20, 2) == [5, 9]
+    assert eagle.draft_vocabulary(data, 20, 6) == [0, 1, 3, 5, 7, 9]  # 4 seen, then the lowest unseen
+    assert eagle.draft_vocabulary(data, 20, 0) == list(range(20))
+    assert eagle.coverage(data, [5, 9]) == pytest.approx(6 / 8)
+    with pytest.raises(eagle.EagleConfigError, match="draft.aux_layers"):
+        eagle.resolve_aux_layers([1, 40], 30)
+    assert eagle.resolve_aux_layers([], 30) == (2, 15, 27)  # vLLM's default: an early, a middle and a late layer
