@@ -3,15 +3,17 @@
 # 10 minutes each (after `source .gpu/prelude.sh`, see ../shared/gpu/README.md), in this order:
 #   bash evaluate/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads)
 #   bash evaluate/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
-#   bash evaluate/h200_bench.sh standalone   demo target -> distilled W4A16 draft model (stops after quantize)
+#   bash evaluate/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
 #   bash evaluate/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
 #   bash evaluate/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
-# Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT.
+# Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT. LIMIT (seconds)
+# bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest.
 set -euo pipefail
 root=/root/draftsmith-gpu
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 cli=(python3 -m draftsmith.pipeline.cli)
+limit=${LIMIT:-540}
 newest() { ls -td $1 2>/dev/null | head -1; }
 get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8011$1').read().decode())"; }
 common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs)
@@ -24,13 +26,12 @@ tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py 2>&1 | tail -15
   ;;
 eagle)
-  "${cli[@]}" run "${common[@]}" "${eagle[@]}" evaluate.max_speculative_tokens=8 publish.override_gates=true \
-    stop_after=publish 2>&1 | tail -60
+  timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" publish.override_gates=true stop_after=publish 2>&1 | tail -60 || true
   for s in teacher distill evaluate publish; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/${s}_stage.json" || true; done
   cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
   ;;
 standalone)
-  "${cli[@]}" run "${common[@]}" distill.eval_every=1000 stop_after=quantize 2>&1 | tail -40
+  timeout "$limit" "${cli[@]}" run "${common[@]}" distill.max_steps=400 distill.eval_every=400 stop_after=quantize 2>&1 | tail -40 || true
   for s in distill quantize; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/standalone_${s}_stage.json" || true; done
   ;;
 decode)
