@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith run
 
+# both cores: one worker each, tests of a module together (they share its fixtures)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadscope
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

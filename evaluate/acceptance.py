@@ -204,6 +204,7 @@ class Measurement:
     tokens: int
     seconds: float
     target_steps: int
+    outputs: list[list[int]]
 
     @property
     def tokens_per_s(self) -> float:
@@ -222,11 +223,12 @@ class Measurement:
 def measure(engine: Engine, name: str, prompts: Sequence[Sequence[int]], params: SamplingParams, k: int,
             proposer: Proposer | None = None) -> Measurement:
     """Generate for every prompt, engine.max_batch_size at a time, and sum the counters."""
-    stats, tokens, seconds, steps = SpecStats(), 0, 0.0, 0
+    stats, tokens, seconds, steps, outputs = SpecStats(), 0, 0.0, 0, []
     for i in range(0, len(prompts), engine.max_batch_size):
         generation = engine.generate(prompts[i:i + engine.max_batch_size], params, k, proposer=proposer)
         stats.merge(generation.stats)
         tokens += generation.num_tokens
         seconds += generation.seconds
         steps += generation.target_steps
-    return Measurement(name, params.temperature, k, stats, tokens, seconds, steps)
+        outputs += [c.tokens for c in generation.completions]
+    return Measurement(name, params.temperature, k, stats, tokens, seconds, steps, outputs)

@@ -31,7 +31,7 @@ def test_demo_target_greedy_speculative_equals_plain(demo_engines):
     params = SamplingParams(max_new_tokens=16)
     expected = [c.tokens for c in engine.generate(prompts, params).completions]
     assert all(len(t) == 16 for t in expected)
-    for k in range(1, 9):
+    for k in (1, 2, 5, 8):  # the tiny models' sweep covers every K; here the real model's numerics
         batch = engine.generate(prompts, params, num_speculative_tokens=k)  # batch 4
         assert [c.tokens for c in batch.completions] == expected, f"K={k} batch 4"
         alone = engine.generate(prompts[k % 4:k % 4 + 1], params, num_speculative_tokens=k)  # batch 1

@@ -8,7 +8,7 @@ import torch
 from draftsmith.distill.draft import DraftError, build_draft, build_from_target
 from draftsmith.distill.stage import with_lora
 from draftsmith.distill.tokenizer import TokenizerMismatch, check_same_tokenizer
-from draftsmith.distill.train import Distiller
+from draftsmith.distill.train import DraftObjective, Distiller
 from draftsmith.pipeline.config import DistillConfig, DistillLoss, DraftConfig, DraftInit, TeacherConfig
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_tiny_model
@@ -61,10 +61,11 @@ def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_p
     draft_dir = build_draft(draft_config("pretrained", pretrained_path=str(small), lora_rank=4), tiny_chat_target, tmp_path / "d", seed=0)
     draft = with_lora(AutoModelForCausalLM.from_pretrained(draft_dir), 4)
     rows = [{"prompt_ids": [1, 5, 6, 7], "response_ids": [8, 9, 10, 2], "split": "train"}] * 4
-    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=4, temperature=0.0, top_k_logits=0, batch_size=2),
+    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=4, temperature=0.0, extra_samples=0, sample_temperature=0.8,
+                                              top_k_logits=0, batch_size=2),
                         loss=DistillLoss.hard_label, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
                         max_steps=3, batch_size=2, grad_accum_steps=1, max_grad_norm=1.0, eval_every=3, max_seq_len=32)
-    distiller = Distiller(cfg, draft, None, rows, rows, tmp_path / "work", seed=0, cpu=True)
+    distiller = Distiller(cfg, draft, None, DraftObjective(cfg, online=False), rows, rows, tmp_path / "work", seed=0, cpu=True)
     result = distiller.train()
     assert result["final_train_loss"] < 12
     distiller.save_draft(tmp_path / "trained")

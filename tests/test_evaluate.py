@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from draftsmith.evaluate.stage import gates
-from draftsmith.evaluate.cost import StepCosts, choose_k, expected_tokens, predicted_speedup
+from draftsmith.evaluate.cost import choose_k, expected_tokens, predicted_speedup
 from draftsmith.serve.stats import SpecStats
 
 DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
@@ -31,22 +31,33 @@ def test_alpha_tau_and_positions_from_hand_computed_steps():
 def test_expected_tokens_and_predicted_speedup():
     assert expected_tokens(0.5, 3) == pytest.approx(1.875)
     assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
-    costs = StepCosts(batch_size=1, target_ms=10.0, draft_ms=1.0, verify_ms={k: 10.0 + k for k in range(1, 9)})
-    # K=2 at alpha 0.8: (1 - 0.8^3) / 0.2 = 2.44 tokens for 2 * 1 + 12 ms against 10 ms a token
-    assert predicted_speedup(0.8, 2, costs) == pytest.approx(2.44 * 10 / 14)
+    # 2.44 tokens per step of 14 ms against one token per plain step of 10 ms
+    assert predicted_speedup(2.44, 10.0, 14.0) == pytest.approx(2.44 * 10 / 14)
 
 
-def test_k_choice_prefers_measurements_and_says_why():
-    costs = StepCosts(batch_size=1, target_ms=10.0, draft_ms=1.0, verify_ms={k: 10.0 + k for k in range(1, 9)})
-    predicted = {k: predicted_speedup(0.8, k, costs) for k in range(1, 9)}
-    best = max(predicted, key=predicted.get)
-    assert best == 4  # rising expected length against linearly rising cost
-    assert choose_k({}, predicted) == (4, f"K=4 has the best predicted speedup over plain decoding ({predicted[4]:.2f}x)")
-    k, why = choose_k({1: 1.1, 2: 1.4, 3: 1.3}, predicted)
-    assert k == 2 and "measured" in why
-    k, why = choose_k({1: 0.9, 2: 0.8}, predicted)
-    assert k == 1 and "slower than plain decoding" in why
-    assert choose_k({1: 1.2, 2: 1.2}, {})[0] == 1  # a tie goes to the smaller K
+def test_k_choice_takes_the_best_speedup_and_says_why():
+    k, why = choose_k({1: 1.1, 2: 1.4, 3: 1.3})
+    assert k == 2 and why == "K=2 has the best predicted speedup over plain decoding (1.40x)"
+    k, why = choose_k({1: 0.9, 2: 0.8}, "measured")
+    assert k == 1 and "measured" in why and "slower than plain decoding" in why
+    assert choose_k({1: 1.2, 2: 1.2})[0] == 1  # a tie goes to the smaller K
+
+
+def test_replay_counts_steps_as_the_engine_does():
+    import numpy as np
+
+    from draftsmith.evaluate.acceptance import replay
+
+    # 7 steps may start (end = 7); drafts from m agree with the text for runs [_, 2, 0, 1, 0, 3, 0, 0]
+    runs = [0, 2, 0, 1, 0, 3, 0, 0]
+    accept = np.array([[1.0 if j <= runs[m] else 0.0 for j in range(4)] for m in range(8)])
+    steps, accepted, by_position = replay(accept, 7, 3)
+    # m=1 keeps 2 (next m=4), m=4 keeps 0 (m=5), m=5 keeps 3 (m=9 > end): 3 steps, 5 accepted
+    assert (steps, accepted) == (3, 5) and by_position.tolist() == [2, 2, 1]
+    assert replay(accept, 7, 1)[:2] == (4, 3)  # K=1: steps at m = 1, 3, 5 (each keeps its draft) and 7 (keeps none)
+    half = np.full((4, 3), 0.5)
+    steps, accepted, _ = replay(half, 3, 2)  # P(step at 2) = 0.5, at 3 = 0.25 + 0.25
+    assert steps == pytest.approx(1 + 0.5 + 0.5) and accepted == pytest.approx(0.75 * 2)
 
 
 def report(shipped: str, k: int, **taus_alphas) -> dict:
@@ -104,14 +115,15 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
             ks = sorted(r["k"] for r in report["acceptance"] if r["proposer"] == name and r["temperature"] == t)
             assert ks == [1, 2, 3, 4, 5], (name, t)
     for row in report["acceptance"]:
-        if row["k"]:
-            assert 0.0 <= row["alpha"] <= 1.0 and 1.0 <= row["tau"] <= row["k"] + 1
-            assert row["tau"] == pytest.approx(1 + row["alpha"] * row["k"])  # tau = 1 + alpha K, by the counters' definitions
-            assert len(row["acceptance_by_position"]) == row["k"]
-    # lossless: at T = 0 every proposer emits the same tokens as plain decoding
-    greedy_tokens = {r["tokens"] for r in report["acceptance"] if r["temperature"] == 0.0}
-    assert len(greedy_tokens) == 1
+        assert 0.0 <= row["alpha"] <= 1.0 and 1.0 <= row["tau"] <= row["k"] + 1
+        assert row["tau"] == pytest.approx(1 + row["alpha"] * row["k"])  # tau = 1 + alpha K, by the counters' definitions
+        assert len(row["acceptance_by_position"]) == row["k"]
     assert 1 <= report["num_speculative_tokens"] <= 5 and report["why"]
+    # the engine at the chosen K: lossless (the same tokens as plain decoding) and the computed counters exact
+    check = report["cross_check"]
+    assert check["outputs_equal_plain"] and check["difference"] == 0.0, check
+    assert [r["k"] for r in report["engine"]] == [0, report["num_speculative_tokens"]]
+    assert report["speed"]["measured_speedup"]["w4a16"][str(report["num_speculative_tokens"])] > 0
     for name in ("eval.md", "acceptance_by_position.png", "tau_vs_k.png", "speedup.png"):
         assert (out / name).stat().st_size > 0
     assert "tau_k5_initial" in done.stdout and "tau_k5_prompt_lookup" in done.stdout
@@ -141,3 +153,79 @@ def test_a_failed_gate_fails_the_job_and_an_override_lets_it_through(evaluated):
     overridden = run(*strict, "publish.override_gates=true", cwd=tmp)
     assert overridden.returncode == 0, overridden.stdout[-2000:]
     assert published() == before + 1 and "gates_overridden=True" in overridden.stdout
+
+
+# -- one teacher-forced pass against the engine ---------------------------------------------------------
+
+def one_pass_and_engine(target_dir, draft, prompts, params, k_max=8, eos=frozenset()):
+    """The computed rows for K = 1..k_max, and a function running the engine at K."""
+    import torch
+
+    from draftsmith.evaluate.acceptance import computed_rows, lookup_acceptance, measure, model_acceptance, references
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.proposers import PromptLookup
+    from draftsmith.serve.weights import load_model
+
+    target = load_model(target_dir, torch.float64)
+    refs = references(Engine(target, max_batch_size=8, max_seq_len=64, eos_token_ids=eos), prompts, params, k_max)
+    accepts = lookup_acceptance(target, refs, params, k_max) if draft is None else model_acceptance(target, draft, refs, params, k_max, 8)
+    rows = computed_rows("p", params.temperature, accepts, refs, k_max)
+    engine = Engine(target, draft, max_batch_size=8, max_seq_len=64, eos_token_ids=eos)
+    proposer = PromptLookup(target.args.vocab_size) if draft is None else None
+    return rows, lambda k: measure(engine, "p", prompts, params, k, proposer)
+
+
+@pytest.fixture(scope="module")
+def small_head(tiny_models, tmp_path_factory):
+    """An EAGLE-3 head trained for 60 steps on the tiny SmolLM2-shaped target's greedy text."""
+    from tests.test_eagle import distill_config, distiller, greedy_rows
+
+    target_dir = tiny_models["smollm2"][0]
+    tmp = tmp_path_factory.mktemp("head")
+    d = distiller(target_dir, greedy_rows(target_dir, n=128), tmp / "work", distill_config(max_steps=60, eval_every=60))
+    d.train()
+    d.save_draft(tmp / "head")
+    return tmp / "head"
+
+
+@pytest.mark.parametrize("kind", ["draft model", "eagle3", "prompt lookup"])
+def test_computed_acceptance_is_the_engines_at_t0(tiny_models, small_head, kind):
+    """alpha, tau and acceptance by position from one pass equal the engine's counters for K = 1..8, with
+    sequences ending at EOS and at max_new_tokens."""
+    import torch
+
+    from draftsmith.serve.eagle import load_head
+    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.weights import load_model
+    from tests.test_speculative import random_prompts
+
+    family = "smollm2" if kind == "eagle3" else "qwen2"
+    target_dir, draft_dir = tiny_models[family]
+    draft = {"draft model": lambda: load_model(draft_dir, torch.float64), "eagle3": lambda: load_head(small_head, torch.float64),
+             "prompt lookup": lambda: None}[kind]()
+    prompts = [[i % 5 + j for i in range(10)] for j in range(16)] if kind == "prompt lookup" else random_prompts(24, 97, seed=9)
+    rows, engine_at = one_pass_and_engine(target_dir, draft, prompts, SamplingParams(max_new_tokens=14), eos=frozenset({7}))
+    for row in rows:
+        measured = engine_at(row.k).stats
+        assert (measured.num_drafts, measured.num_accepted_tokens) == (row.steps, row.accepted), row.k
+        assert measured.accepted_per_position == row.by_position, row.k
+    assert rows[-1].accepted > 10  # acceptance paths ran
+
+
+def test_computed_acceptance_at_t1_is_the_engines_expectation(tiny_models):
+    """At T > 0 the pass gives the expected counters on target-sampled text; the engine's, on its own
+    samples, agree within sampling error."""
+    import torch
+
+    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.weights import load_model
+    from tests.test_speculative import random_prompts
+
+    target_dir, draft_dir = tiny_models["qwen2"]
+    prompts = random_prompts(400, 97, seed=10)
+    params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=12)
+    rows, engine_at = one_pass_and_engine(target_dir, load_model(draft_dir, torch.float64), prompts, params, k_max=3)
+    measured = engine_at(3).stats
+    assert 0.2 < rows[2].alpha < 0.9
+    assert measured.tau == pytest.approx(rows[2].tau, abs=0.06)
+    assert measured.acceptance_rate == pytest.approx(rows[2].alpha, abs=0.03)

@@ -25,7 +25,9 @@ def pipeline_args(target: Path, root: Path) -> list[str]:
             "data.max_prompts=24", "data.eval_fraction=0.25", "distill.teacher.max_new_tokens=8", "distill.max_steps=4",
             "distill.eval_every=4", "draft.num_layers=1", "distill.batch_size=4", "quantize.num_calibration_samples=8",
             "evaluate.max_new_tokens=10", "evaluate.batch_size=3", "evaluate.min_alpha=0.0", "evaluate.max_tau_loss=1.0",
-            "evaluate.max_speculative_tokens=3"]
+            "evaluate.max_speculative_tokens=3",
+            # a tiny random target's draft never pays on a CPU: the promotion rules are tested apart from speed
+            "evaluate.min_speedup=0.0"]
 
 
 def registry_rows(root: Path) -> list[dict]:
@@ -123,14 +125,36 @@ def test_a_crash_mid_publish_leaves_no_bundle_and_no_registry_entry(tiny_chat_ta
     assert registry_rows(root) == []
 
 
-def test_promotion_needs_passed_gates_a_higher_tau_and_the_same_split():
-    champion = {"gates_passed": "true", "tau": "2.0", "k": "3", "eval_split": "a"}
-    assert decide({**champion, "tau": "2.5"}, champion).promote
-    assert not decide({**champion, "tau": "1.5"}, champion).promote
-    assert "does not beat" in decide({**champion, "tau": "2.0"}, champion).reason
-    assert not decide({**champion, "tau": "3.0", "gates_passed": "false"}, champion).promote
-    assert "another held-out split" in decide({**champion, "tau": "3.0", "eval_split": "b"}, champion).reason
+def test_promotion_needs_passed_gates_a_speedup_the_same_split_and_a_faster_version():
+    champion = {"gates_passed": "true", "tau": "2.0", "k": "3", "eval_split": "a", "speedup": "1.3", "device": "cuda",
+                "kind": "standalone"}
+    head = {**champion, "kind": "eagle3", "tau": "2.9"}
+    assert decide({**head, "speedup": "1.9"}, champion).promote  # either kind: the faster one
+    assert "eagle3 1.9000x at K=3 beats the champion's (standalone) 1.3000x" in decide({**head, "speedup": "1.9"}, champion).reason
+    assert not decide({**head, "speedup": "1.2"}, champion).promote  # a higher tau that runs slower loses
+    assert "does not beat" in decide({**champion, "speedup": "1.3"}, champion).reason
+    assert not decide({**champion, "speedup": "3.0", "gates_passed": "false"}, champion).promote
+    assert "another held-out split or device" in decide({**champion, "speedup": "3.0", "eval_split": "b"}, champion).reason
+    assert "another held-out split or device" in decide({**champion, "speedup": "3.0", "device": "cpu"}, champion).reason
+    slower = decide({**champion, "speedup": "0.93"}, None)
+    assert not slower.promote and "measured speedup 0.93x at K=3 on cuda is not above evaluate.min_speedup=1" in slower.reason
+    assert decide({**champion, "speedup": "0.93"}, None, min_speedup=0.9).promote
     assert decide(champion, None).promote
+    older = {k: v for k, v in champion.items() if k != "speedup"}  # registered before speeds were measured: tau decides
+    assert decide({**champion, "tau": "2.5"}, older).promote and not decide({**champion, "tau": "1.5"}, older).promote
+
+
+def test_a_bundle_measured_no_faster_than_plain_is_registered_but_not_champion(published, tmp_path):
+    tmp, _, _ = published
+    root = tmp_path / "runs"
+    shutil.copytree(tmp / "runs", root, ignore=shutil.ignore_patterns(".locks"))
+    args = [a for a in pipeline_args(Path("unused"), root) if not a.startswith("evaluate.min_speedup")]
+    args = [f"target.name_or_path={json.loads(next((root / 'target').glob('*/target.json')).read_text())['name_or_path']}"
+            if a.startswith("target.name_or_path") else a for a in args]
+    done = draftsmith(*args, "evaluate.min_speedup=100", cwd=tmp_path)  # only the registry stage runs again
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "version 2: registered, not promoted" in done.stdout and "is not above evaluate.min_speedup=100" in done.stdout
+    assert [r["champion"] for r in registry_rows(root)] == ["yes", ""]
 
 
 def test_a_sweep_registers_each_job_and_the_best_becomes_champion(tiny_chat_target, published, tmp_path):
@@ -143,7 +167,7 @@ def test_a_sweep_registers_each_job_and_the_best_becomes_champion(tiny_chat_targ
     rows = registry_rows(root)
     assert len(rows) == 2
     champion = [r for r in rows if r["champion"] == "yes"]
-    assert len(champion) == 1 and float(champion[0]["tau"]) == max(float(r["tau"]) for r in rows)
+    assert len(champion) == 1 and float(champion[0]["speedup"]) == max(float(r["speedup"]) for r in rows)
     # rollback and promote move the alias; rollback needs something to roll back to
     from draftsmith.pipeline.registry import RegistryError, promote, rollback
 

@@ -30,14 +30,20 @@ def test_greedy_speculative_equals_target_greedy(tiny_models, family):
     target_dir, draft_dir = tiny_models[family]
     prompts = random_prompts(NUM_PROMPTS, 97, seed=FAMILIES.index(family))
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    one, four = engines(target_dir, draft_dir, 1), engines(target_dir, draft_dir, 4)
-    expected = [one.generate([p], params).completions[0].tokens for p in prompts]
+    one, wide = engines(target_dir, draft_dir, 1), engines(target_dir, draft_dir, 51)
+    chunks = [prompts[i:i + 50] for i in range(0, NUM_PROMPTS, 50)]  # rows of different lengths, each accepting its own count
+    expected = [c.tokens for chunk in chunks for c in wide.generate(chunk, params).completions]
+    # one sampled row makes the whole step verify through the rejection sampler: greedy rows with one-hot
+    # distributions, which must keep exactly the drafts that equal the target's argmax
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0)
     accepted = 0
     for k in range(1, 9):
-        for i in range(0, NUM_PROMPTS, 4):  # batch 4: rows of different lengths, each accepting its own count
-            got = four.generate(prompts[i:i + 4], params, num_speculative_tokens=k)
-            assert [c.tokens for c in got.completions] == expected[i:i + 4], f"K={k}, prompts {i}..{i + 3}"
+        for i, chunk in enumerate(chunks):
+            got = wide.generate(chunk, params, num_speculative_tokens=k)
+            assert [c.tokens for c in got.completions] == expected[50 * i:50 * i + 50], f"K={k}, prompts {50 * i}.."
             accepted += got.stats.num_accepted_tokens
+            mixed = wide.generate(chunk + [chunk[0]], [params] * len(chunk) + [sampled], num_speculative_tokens=k)
+            assert [c.tokens for c in mixed.completions[:-1]] == expected[50 * i:50 * i + 50], f"K={k}, one-hot, prompts {50 * i}.."
         for i in range(0, NUM_PROMPTS, 8):  # batch 1
             got = one.generate([prompts[i]], params, num_speculative_tokens=k)
             assert got.completions[0].tokens == expected[i], f"K={k}, prompt {i}, batch 1"
