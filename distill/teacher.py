@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from draftsmith.distill.data import load_prompts
 from draftsmith.pipeline.config import DraftsmithConfig, TeacherConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
@@ -24,39 +22,24 @@ from draftsmith.serve.weights import load_model
 TEACHER_DIR = "teacher"
 
 
-def top_k_logprobs(model, sequences: list[list[int]], starts: list[int], k: int) -> list[tuple[list, list]]:
-    """For each sequence, the target's top-k (ids, logprobs) at positions start-1 .. len-2: the
-    distributions each response token was drawn from."""
-    device = model.output.weight.device
-    longest = max(len(s) for s in sequences)
-    span = max(len(s) - start for s, start in zip(sequences, starts))  # response positions only
-    tokens = torch.zeros(len(sequences), longest, dtype=torch.long, device=device)
-    for i, s in enumerate(sequences):
-        tokens[i, : len(s)] = torch.tensor(s, device=device)
-    at = (torch.tensor(starts, device=device).unsqueeze(1) - 1 + torch.arange(span, device=device)).clamp(max=longest - 1)
-    with torch.inference_mode():
-        logits = model(tokens, torch.arange(longest, device=device).expand(len(sequences), longest), logits_at=at)
-        values, ids = logits.float().log_softmax(-1).topk(k, dim=-1)  # [B, span, k]
-    return [(ids[i, : len(s) - start].int().tolist(), values[i, : len(s) - start].tolist())
-            for i, (s, start) in enumerate(zip(sequences, starts))]
-
-
-def generate_shard(engine: Engine, batch: list[dict], cfg: TeacherConfig, eos: int | None, seed: int, sample: int) -> list[dict]:
+def generate_shard(engine: Engine, batch: list[dict], cfg: TeacherConfig, eos: frozenset[int], seed: int, sample: int) -> list[dict]:
     """Responses to a batch of prompts: the first at distill.teacher.temperature, extra samples (sample >= 1)
-    at sample_temperature."""
+    at sample_temperature; with top_k_logits, the target's top-k log-probabilities at each response
+    position, read off the generation's own forwards. Sequences run on past EOS (a finished row costs
+    the same in the batch) and are cut after it, so that EOS's own distribution is kept too."""
     temperature = cfg.temperature if sample == 0 else cfg.sample_temperature
-    params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+    params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=seed, ignore_eos=True,
+                            top_logprobs=cfg.top_k_logits)
     got = engine.generate([r["prompt_ids"] for r in batch], params)
     rows = []
     for record, completion in zip(batch, got.completions):
-        response = completion.tokens + ([eos] if completion.finish_reason == "stop" and eos is not None else [])
-        rows.append({"id": record["id"] + (f"#{sample}" if sample else ""), "split": record["split"],
-                     "prompt_ids": record["prompt_ids"], "response_ids": response})
-    if cfg.top_k_logits:
-        cached = top_k_logprobs(engine.target, [r["prompt_ids"] + r["response_ids"] for r in rows],
-                                [len(r["prompt_ids"]) for r in rows], cfg.top_k_logits)
-        for row, (ids, values) in zip(rows, cached):
-            row["topk_ids"], row["topk_logprobs"] = ids, values
+        end = next((i + 1 for i, t in enumerate(completion.tokens) if t in eos), len(completion.tokens))
+        row = {"id": record["id"] + (f"#{sample}" if sample else ""), "split": record["split"],
+               "prompt_ids": record["prompt_ids"], "response_ids": completion.tokens[:end]}
+        if cfg.top_k_logits:
+            top = completion.logprobs.top_tokens[:end]
+            row["topk_ids"], row["topk_logprobs"] = [ids for ids, _ in top], [values for _, values in top]
+        rows.append(row)
     return rows
 
 
@@ -81,8 +64,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     longest = max(len(r["prompt_ids"]) for r in prompts)
     model = load_model(target_dir, compute_dtype(cfg.target.dtype.value, device), device)
     eos_ids = sorted(eos_ids_of(target_dir))
-    engine = Engine(model, max_batch_size=t.batch_size, max_seq_len=longest + t.max_new_tokens + 2,
-                    eos_token_ids=frozenset(eos_ids))
+    engine = Engine(model, max_batch_size=t.batch_size, max_seq_len=longest + t.max_new_tokens + 2)
     shards = out / "shards"
     shards.mkdir(exist_ok=True)
     train = [r for r in prompts if r["split"] == "train"]
@@ -96,7 +78,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
             if path.exists():
                 resumed += 1
             else:
-                write_shard(generate_shard(engine, batch, t, eos_ids[0] if eos_ids else None, cfg.seed + n, sample), path)
+                write_shard(generate_shard(engine, batch, t, frozenset(eos_ids), cfg.seed + n, sample), path)
             progress.advance(task, len(batch))
     table = datasets.concatenate_datasets([datasets.Dataset.from_file(str(p)) for p in sorted(shards.glob("*.arrow"))])
     table.save_to_disk(str(out / TEACHER_DIR))

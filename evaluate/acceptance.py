@@ -119,78 +119,84 @@ def _padded(refs: list[Reference], device: torch.device) -> tuple[Tensor, Tensor
     return tokens, torch.arange(longest, device=device).expand(len(refs), longest)
 
 
-def _agreement(proposal_logits: Tensor, vocab: Tensor | None, vocab_size: int, target_logits: Tensor, following: Tensor,
-               rows: RowSampling, greedy: bool) -> Tensor:
-    """Per position [B, T]: at T = 0 whether the proposal (argmax) equals the following token; at T > 0
-    the probability that a draw from the proposer's distribution is accepted, sum_v min(p(v), q(v))."""
-    if greedy:
+def _agreement(proposal_logits: Tensor, vocab: Tensor | None, vocab_size: int, target_probs: Tensor | None,
+               following: Tensor, rows: RowSampling) -> Tensor:
+    """Per position [B, T]: at T = 0 (target_probs None) whether the proposal (argmax) equals the following
+    token; at T > 0 the probability that a draw from the proposer's distribution is accepted,
+    sum_v min(p(v), q(v))."""
+    if target_probs is None:
         best = proposal_logits.argmax(-1)
         return ((best if vocab is None else vocab[best]) == following).double()
     q = probabilities(full_vocab_logits(proposal_logits, vocab, vocab_size), rows)
-    return torch.minimum(probabilities(target_logits, rows), q).sum(-1).double()
+    return torch.minimum(target_probs, q).sum(-1).double()
+
+
+Proposal = Transformer | EagleHead | None  # None: prompt lookup
 
 
 @torch.inference_mode()
-def model_acceptance(target: Transformer, draft: Transformer | EagleHead, refs: list[Reference], params: SamplingParams,
-                     k_max: int, batch_size: int) -> list[np.ndarray]:
-    """accept[m, j] (shape [end + 1, K_max + 1]) per reference, for a draft model or an EAGLE-3 head."""
+def acceptance(target: Transformer, proposers: dict[str, Proposal], refs: list[Reference], params: SamplingParams,
+               k_max: int, batch_size: int) -> dict[str, list[np.ndarray]]:
+    """accept[m, j] (shape [end + 1, K_max + 1]) per reference and proposer: one forward of the target per
+    batch of references (at T > 0, or for the hidden states a head reads) and one of each model."""
     device, vocab_size = target.output.weight.device, target.args.vocab_size
-    eagle = isinstance(draft, EagleHead)
-    out = []
+    out: dict[str, list[np.ndarray]] = {name: [] for name in proposers}
+    heads = {name: p for name, p in proposers.items() if isinstance(p, EagleHead)}
+    layers = tuple(sorted({i for head in heads.values() for i in head.aux_layers}))
     for i in range(0, len(refs), batch_size):
         chunk = refs[i:i + batch_size]
         tokens, positions = _padded(chunk, device)
         B, S = tokens.shape
-        for model in [target] if eagle else [target, draft]:  # a head's unroll keeps no cache
-            model.setup_cache(B, S)
         rows = RowSampling.of([params] * B, device)
         following = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # [B, S]: the token after each position
-        if eagle:
-            target_logits, features = target(tokens, positions, hidden_layers=draft.aux_layers)
-            steps = []
-            for j, hidden in enumerate(draft.unroll(tokens, features, target.tok_embeddings, k_max)):
-                # step j's entry t is verified against the target at t + j + 1, whose token is at t + j + 2
-                shift = lambda x: torch.cat([x[:, j + 1:], x[:, :j + 1]], dim=1)[:, :S - 1]
-                steps.append(_agreement(draft.logits(hidden), draft.vocab, vocab_size, shift(target_logits),
-                                        shift(following), rows, params.greedy))  # [B, E]
-            per_step = torch.stack(steps, dim=1).cpu().numpy()  # [B, K_max, E]
+        target_probs, features = None, None
+        if layers or not params.greedy:
+            target.setup_cache(B, S)
+            logits, features = target(tokens, positions, hidden_layers=layers) if layers else (target(tokens, positions), None)
+            target_probs = None if params.greedy else probabilities(logits, rows)  # [B, S, V]
+        for name, proposer in proposers.items():
+            if proposer is None:
+                per_position = None
+            elif isinstance(proposer, EagleHead):
+                entering = dict(zip(layers, features.split(target.args.hidden_size, dim=-1)))
+                head_features = torch.cat([entering[layer] for layer in proposer.aux_layers], dim=-1)
+                steps = []
+                for j, hidden in enumerate(proposer.unroll(tokens, head_features, target.tok_embeddings, k_max)):
+                    # step j's entry t is verified against the target at t + j + 1, whose token is at t + j + 2
+                    shift = lambda x: None if x is None else torch.cat([x[:, j + 1:], x[:, :j + 1]], dim=1)[:, :S - 1]
+                    steps.append(_agreement(proposer.logits(hidden), proposer.vocab, vocab_size, shift(target_probs),
+                                            shift(following), rows))  # [B, E]
+                per_step = torch.stack(steps, dim=1).cpu().numpy()  # [B, K_max, E]
+            else:
+                proposer.setup_cache(B, S)
+                per_position = _agreement(proposer(tokens, positions), proposer.vocab, vocab_size, target_probs, following,
+                                          rows).cpu().numpy()  # [B, S]
+            for b, ref in enumerate(chunk):
+                if proposer is None:
+                    out[name].append(_lookup_accept(ref, k_max, None if target_probs is None else target_probs[b]))
+                    continue
+                accept = np.zeros((ref.end + 1, k_max + 1))
+                m = np.arange(1, ref.end + 1)[:, None]
+                j = np.arange(1, k_max + 1)[None, :]
+                start = len(ref.prompt) - 2 + m  # the entry / position before the step's pending token
+                if ref.end:
+                    accept[1:, 1:] = per_step[b, j - 1, start] if isinstance(proposer, EagleHead) else per_position[b, start + j]
+                out[name].append(accept)
+    return out
+
+
+def _lookup_accept(ref: Reference, k_max: int, target_probs: Tensor | None, max_ngram: int = 3, min_ngram: int = 1) -> np.ndarray:
+    """Prompt lookup (serve.proposers.lookup) along one reference: its proposal is exact at T = 0 when it
+    equals the target's token, and kept with probability p(token) at T > 0."""
+    sequence, L = ref.sequence, len(ref.prompt)
+    accept = np.zeros((ref.end + 1, k_max + 1))
+    for m in range(1, ref.end + 1):
+        drafts = lookup(sequence[:L + m], k_max, max_ngram, min_ngram)
+        if target_probs is None:
+            accept[m, 1:] = [d == t for d, t in zip(drafts, sequence[L + m:L + m + k_max])]
         else:
-            target_logits = target(tokens, positions)
-            per_position = _agreement(draft(tokens, positions), draft.vocab, vocab_size, target_logits, following,
-                                      rows, params.greedy).cpu().numpy()  # [B, S]
-        for b, ref in enumerate(chunk):
-            m = np.arange(1, ref.end + 1)[:, None]
-            j = np.arange(1, k_max + 1)[None, :]
-            accept = np.zeros((ref.end + 1, k_max + 1))
-            start = len(ref.prompt) - 2 + m  # the entry / position before the step's pending token
-            if ref.end:
-                accept[1:, 1:] = per_step[b, j - 1, start] if eagle else per_position[b, start + j]
-            out.append(accept)
-    return out
-
-
-@torch.inference_mode()
-def lookup_acceptance(target: Transformer, refs: list[Reference], params: SamplingParams, k_max: int,
-                      max_ngram: int = 3, min_ngram: int = 1) -> list[np.ndarray]:
-    """accept[m, j] per reference for prompt lookup (serve.proposers.lookup): its proposal is exact at
-    T = 0 when it equals the target's token, and kept with probability p(token) at T > 0."""
-    device = target.output.weight.device
-    out = []
-    for ref in refs:
-        sequence, L = ref.sequence, len(ref.prompt)
-        accept = np.zeros((ref.end + 1, k_max + 1))
-        proposals = {m: lookup(sequence[:L + m], k_max, max_ngram, min_ngram) for m in range(1, ref.end + 1)}
-        if params.greedy:
-            for m, drafts in proposals.items():
-                accept[m, 1:] = [d == t for d, t in zip(drafts, sequence[L + m:L + m + k_max])]
-        elif ref.end:
-            target.setup_cache(1, len(sequence))
-            probs = probabilities(target(torch.tensor([sequence], device=device), torch.arange(len(sequence), device=device)[None]),
-                                  RowSampling.of([params], device))[0]  # [S, V]
-            for m, drafts in proposals.items():
-                accept[m, 1:] = [probs[L + m + j - 2, d].item() for j, d in enumerate(drafts, 1)]
-        out.append(accept)
-    return out
+            accept[m, 1:] = [target_probs[L + m + j - 2, d].item() for j, d in enumerate(drafts, 1)]
+    return accept
 
 
 # -- the engine, as the cross-check and the speed measurement ------------------------------------------

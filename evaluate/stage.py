@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from draftsmith.distill.data import load_prompts
 from draftsmith.evaluate import cost, report as reports
-from draftsmith.evaluate.acceptance import (computed_rows, lookup_acceptance, measure, model_acceptance, references)
+from draftsmith.evaluate.acceptance import acceptance, computed_rows, measure, references
 from draftsmith.evaluate.report import rows_of
 from draftsmith.pipeline.config import DraftsmithConfig, EvaluateConfig
 from draftsmith.pipeline.stage import Stage, StageOutput, read_record
@@ -112,20 +112,19 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     names = [*dirs, PROMPT_LOOKUP]
     computed, step_ms = [], {}
     with Progress() as progress:
-        task = progress.add_task("evaluate", total=2 + 2 * len(names) + len(names) + 2)
+        task = progress.add_task("evaluate", total=len(temperatures) * 2 + len(names) + 2)
         progress.update(task, description="the target's continuations")
         plain = engine_of()
         refs = {t: references(plain, prompts, params[t], k_max) for t in temperatures}
         plain_ms = plain.time_step(e.batch_size, 0)
-        progress.advance(task, 2)
-        for name in names:
-            draft = load_draft(dirs[name], dtype, device, vocab) if name in dirs else None
-            for t in temperatures:
-                progress.update(task, description=f"acceptance: {name} T={t:g}")
-                accepts = (lookup_acceptance(target, refs[t], params[t], k_max) if draft is None else
-                           model_acceptance(target, draft, refs[t], params[t], k_max, e.batch_size))
+        progress.advance(task, len(temperatures))
+        drafts = {name: load_draft(dirs[name], dtype, device, vocab) if name in dirs else None for name in names}
+        for t in temperatures:
+            progress.update(task, description=f"acceptance of every proposer, T={t:g}")
+            for name, accepts in acceptance(target, drafts, refs[t], params[t], k_max, e.batch_size).items():
                 computed += computed_rows(name, t, accepts, refs[t], k_max)
-                progress.advance(task)
+            progress.advance(task)
+        for name, draft in drafts.items():
             # a fresh engine per proposer: engines share the target, and each one's setup replaces its KV
             # cache (and CUDA graphs captured on it), so an engine is never reused after another
             progress.update(task, description=f"step costs: {name}")
@@ -143,7 +142,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         # the engine at the chosen K: the speed measurement, and the check of the computed counters
         progress.update(task, description=f"engine: plain and {shipped} K={k}")
         plain_run = measure(engine_of(), "plain", prompts, params[0.0], 0)
-        shipped_run = measure(engine_of(load_draft(dirs[shipped], dtype, device, vocab)), shipped, prompts, params[0.0], k)
+        shipped_run = measure(engine_of(drafts[shipped]), shipped, prompts, params[0.0], k)
         progress.advance(task, 2)
     measured_speedup = shipped_run.tokens_per_s / plain_run.tokens_per_s
     computed_tau = tau(shipped, k)

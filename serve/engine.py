@@ -58,12 +58,29 @@ class EngineError(ValueError):
 
 
 @dataclass
+class Logprobs:
+    """The target's log-probabilities along a sequence: of each emitted token, and of the `top` most
+    likely tokens at its position (ids, values)."""
+    top: int = 0
+    tokens: list[float] = field(default_factory=list)
+    top_tokens: list[tuple[list[int], list[float]]] = field(default_factory=list)
+
+    def add(self, logprobs: Tensor, tokens: list[int]) -> None:
+        """logprobs [T, V] at the positions that emitted `tokens` (T of them)."""
+        ids = torch.tensor(tokens, device=logprobs.device).unsqueeze(1)
+        self.tokens += logprobs.gather(1, ids).squeeze(1).tolist()
+        if self.top:
+            values, top_ids = logprobs.topk(self.top, dim=-1)
+            self.top_tokens += list(zip(top_ids.tolist(), values.tolist()))
+
+
+@dataclass
 class Completion:
     prompt_tokens: list[int]
     tokens: list[int]
     finish_reason: str
     text: str | None = None  # the text before a stop string, when one ended the sequence
-    logprobs: list[float] | None = None
+    logprobs: Logprobs | None = None
 
 
 @dataclass
@@ -214,14 +231,14 @@ class Engine:
         seed = params[0].seed
         generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         stops = [StopChecker(p, self.eos_token_ids, self.detokenize) for p in params]
-        logprobs: list[list[float] | None] = [[] if p.logprobs else None for p in params]
+        logprobs = [Logprobs(p.top_logprobs) if p.logprobs or p.top_logprobs else None for p in params]
 
         state, first_logits = self.prefill(prompts, rows, generator)
         first = state.pending.tolist()
         for i, stop in enumerate(stops):
             if stop.append([first[i]]):
                 if logprobs[i] is not None:
-                    logprobs[i].append(first_logits[i].float().log_softmax(-1)[first[i]].item())
+                    logprobs[i].add(first_logits[i:i + 1].float().log_softmax(-1), [first[i]])
                 if on_tokens:
                     on_tokens(i, [first[i]])
         active_rows = [stop.finish_reason is None for stop in stops]
@@ -272,23 +289,22 @@ class Engine:
         return sorted(times)[len(times) // 2]
 
     def emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
-              logprobs: list[list[float] | None], stats: SpecStats, k: int,
+              logprobs: list[Logprobs | None], stats: SpecStats, k: int,
               on_tokens: Callable[[int, list[int]], None] | None) -> list[int]:
         """Hand each active row its kept tokens (stops, logprobs, on_tokens) and count the step;
         returns each row's accepted draft count."""
         step = torch.cat([out.num_accepted.unsqueeze(1), out.tokens], dim=1).tolist()  # the step's one sync
         num_accepted, tokens = [row[0] for row in step], [row[1:] for row in step]
-        wanted = [i for i, lp in enumerate(logprobs) if lp is not None and active_rows[i]]
-        token_logprobs = (out.target_logits.float().log_softmax(-1).gather(-1, out.tokens.unsqueeze(-1)).squeeze(-1).tolist()
-                          if wanted else None)
+        wanted = any(lp is not None and a for lp, a in zip(logprobs, active_rows))
+        target_logprobs = out.target_logits.float().log_softmax(-1) if wanted else None  # [B, K+1, V]
         if k > 0:
             stats.record(k, [n for n, a in zip(num_accepted, active_rows) if a])
         for i, stop in enumerate(stops):
             if not active_rows[i]:
                 continue
             kept = stop.append(tokens[i][: num_accepted[i] + 1])
-            if token_logprobs is not None and logprobs[i] is not None:
-                logprobs[i].extend(token_logprobs[i][:kept])
+            if target_logprobs is not None and logprobs[i] is not None and kept:
+                logprobs[i].add(target_logprobs[i, :kept], tokens[i][:kept])
             if on_tokens and kept:
                 on_tokens(i, tokens[i][:kept])
         return num_accepted

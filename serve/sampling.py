@@ -25,7 +25,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # the target's log-probability of each emitted token
+    top_logprobs: int = 0  # and of its this-many most likely tokens at each position
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -36,6 +37,8 @@ class SamplingParams:
             raise SamplingError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.top_logprobs < 0:
+            raise SamplingError(f"top_logprobs={self.top_logprobs} must be >= 0")
 
     @property
     def greedy(self) -> bool:

@@ -161,15 +161,14 @@ def one_pass_and_engine(target_dir, draft, prompts, params, k_max=8, eos=frozens
     """The computed rows for K = 1..k_max, and a function running the engine at K."""
     import torch
 
-    from draftsmith.evaluate.acceptance import computed_rows, lookup_acceptance, measure, model_acceptance, references
+    from draftsmith.evaluate.acceptance import acceptance, computed_rows, measure, references
     from draftsmith.serve.engine import Engine
     from draftsmith.serve.proposers import PromptLookup
     from draftsmith.serve.weights import load_model
 
     target = load_model(target_dir, torch.float64)
     refs = references(Engine(target, max_batch_size=8, max_seq_len=64, eos_token_ids=eos), prompts, params, k_max)
-    accepts = lookup_acceptance(target, refs, params, k_max) if draft is None else model_acceptance(target, draft, refs, params, k_max, 8)
-    rows = computed_rows("p", params.temperature, accepts, refs, k_max)
+    rows = computed_rows("p", params.temperature, acceptance(target, {"p": draft}, refs, params, k_max, 8)["p"], refs, k_max)
     engine = Engine(target, draft, max_batch_size=8, max_seq_len=64, eos_token_ids=eos)
     proposer = PromptLookup(target.args.vocab_size) if draft is None else None
     return rows, lambda k: measure(engine, "p", prompts, params, k, proposer)

@@ -121,17 +121,22 @@ def test_stops(tiny_models):
     assert ended.text == " ".join(f"<{i}>" for i in free[:first]) + " "
 
 
-def test_logprobs_are_the_targets(tiny_models):
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_are_the_targets(tiny_models, k):
     target_dir, draft_dir = tiny_models["mistral"]
     engine = engines(target_dir, draft_dir, 1)
-    got = engine.generate([[3, 4]], SamplingParams(max_new_tokens=6, logprobs=True), num_speculative_tokens=3).completions[0]
+    params = SamplingParams(max_new_tokens=6, logprobs=True, top_logprobs=4)
+    got = engine.generate([[3, 4]], params, num_speculative_tokens=k).completions[0]
     model = load_model(target_dir, torch.float64)
     model.setup_cache(1, 64)
     sequence = [3, 4] + got.tokens
     with torch.no_grad():
         logits = model(torch.tensor([sequence]), torch.arange(len(sequence))[None])[0].log_softmax(-1)
     expected = [logits[1 + i, t].item() for i, t in enumerate(got.tokens)]
-    assert got.logprobs == pytest.approx(expected, abs=1e-5)
+    assert got.logprobs.tokens == pytest.approx(expected, abs=1e-5)
+    for i, (ids, values) in enumerate(got.logprobs.top_tokens):
+        top = logits[1 + i].topk(4)
+        assert ids == top.indices.tolist() and values == pytest.approx(top.values.tolist(), abs=1e-5)
 
 
 def test_requests_that_do_not_fit_are_refused(tiny_models):
