@@ -153,7 +153,9 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
                        "num_prompts": len(prompts), "max_new_tokens": e.max_new_tokens},
         "temperatures": temperatures, "seed": e.seed, "max_speculative_tokens": k_max,
         "shipped": shipped, "kind": draft_kind(inputs["distill"]),
-        "proposers": {name: str(dirs.get(name, "n-gram lookup in the sequence so far")) for name in names},
+        # where each came from, relative to the run root: the report travels in the bundle
+        "proposers": {name: str(dirs[name].relative_to(inputs["distill"].path.parents[1])) if name in dirs
+                      else "n-gram lookup in the sequence so far" for name in names},
         "draft_vocab_size": len(vocab) if vocab else None,
         "acceptance": report["acceptance"],
         "engine": [plain_run.as_dict(), shipped_run.as_dict()],

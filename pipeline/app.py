@@ -1,6 +1,9 @@
 """`draftsmith run`: the pipeline as a Hydra app (one job per run, one per combination with -m)."""
 from __future__ import annotations
 
+import logging
+import signal
+
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
@@ -9,12 +12,13 @@ from rich.table import Table
 import hydra
 from draftsmith.pipeline.config import ConfigError, register_schema, validate
 from draftsmith.pipeline.graph import PIPELINE, STAGES, run_pipeline
-from draftsmith.pipeline.stage import StageError, StageOutput, process_rank
+from draftsmith.pipeline.stage import STAGE_JSON, StageError, StageOutput, process_rank
 from draftsmith.pipeline.target import load_reference
 from draftsmith.pipeline.tracking import JobRun, config_params, run_root, tracking_uri
 
 register_schema()
 console = Console()
+log = logging.getLogger("draftsmith")  # Hydra sends it to the console and to the job's app.log
 
 
 def _job_name(cfg: DictConfig) -> str:
@@ -40,6 +44,10 @@ def _summary(outputs: list[StageOutput], root) -> Table:
     return table
 
 
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a scheduler's stop) ends a job as Ctrl-C does: work kept, resumable
+
+
 def run_job(cfg: DictConfig) -> list[StageOutput]:
     """Validate, open the job's MLflow child run, run the stages, print the summary."""
     try:
@@ -52,22 +60,32 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
     job = None
     if typed.tracking.enabled and process_rank()[0] == 0:  # one rank reports for a distributed job
         job = JobRun(tracking_uri(typed.tracking.uri, typed.paths.root), typed.experiment, _job_name(cfg),
-                     config_params(cfg))
+                     config_params(cfg), root)
+
     def on_stage(output: StageOutput) -> None:
+        log.info("stage %s: %s in %.1f s (%s)", output.name, "cached" if output.cached else "ran",
+                 output.record.get("seconds", 0.0), output.path)
         if job:
             job.log_stage(output.name, output.fingerprint, output.cached, output.metrics)
-            for name in STAGES[output.name].artifacts:
-                job.log_artifact(output.path / name, output.name)
+            for name in (STAGE_JSON, *STAGES[output.name].artifacts):
+                if (output.path / name).is_file():
+                    job.log_artifact(output.path / name, f"{output.name}/{name}".rsplit("/", 1)[0])
 
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         outputs = run_pipeline(typed, root, on_stage=on_stage)
     except BaseException as e:
         if job:
-            job.end("FAILED")
+            job.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        if isinstance(e, KeyboardInterrupt):
+            console.print(f"[yellow]{e or 'interrupted; run the same command to resume'}[/yellow]")
+            raise SystemExit(130) from None
         if isinstance(e, StageError):
             console.print(f"[red]{e}[/red]")
             raise SystemExit(1) from None
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if job:
         job.end("FINISHED")
     if process_rank()[0] == 0:
@@ -84,15 +102,15 @@ def _print_published(outputs: dict[str, StageOutput]) -> None:
         return
     bundle, m = bundle_of(outputs["publish"]), outputs["publish"].metrics
     target = load_reference(outputs["target"])["path"]
-    console.print(f"bundle: {bundle}", soft_wrap=True)
-    console.print(f"alpha={m['alpha']:.4f} tau={m['tau']:.4f} num_speculative_tokens={m['num_speculative_tokens']} "
-                  f"quantization={m['quantization']}", soft_wrap=True)
-    console.print(vllm_command(bundle, target, m["method"], m["num_speculative_tokens"], m["max_model_len"]), soft_wrap=True, markup=False)
+    log.info("bundle: %s", bundle)
+    log.info("alpha=%.4f tau=%.4f num_speculative_tokens=%d measured speedup %.2fx quantization=%s", m["alpha"], m["tau"],
+             m["num_speculative_tokens"], m["measured_speedup"], m["quantization"])
+    log.info("%s", vllm_command(bundle, target, m["method"], m["num_speculative_tokens"], m["max_model_len"]))
     registered = outputs.get("registry")
     if registered and registered.metrics.get("registered"):
         r = registered.metrics
         state = "champion" if r["champion"] else "registered, not promoted"
-        console.print(f"registry: {r['name']} version {r['version']}: {state} ({r['reason']})", soft_wrap=True)
+        log.info("registry: %s version %s: %s (%s)", r["name"], r["version"], state, r["reason"])
 
 
 @hydra.main(version_base="1.3", config_path="pkg://draftsmith.conf", config_name="config")

@@ -15,17 +15,18 @@ def cli() -> None:
     """draftsmith: distil, quantize, evaluate and serve speculative-decoding drafts."""
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             options_metavar="[-m] [KEY=VALUE ...]")
 def run(ctx: typer.Context) -> None:
-    """Run the pipeline as a Hydra app, with key=value overrides; -m runs a multirun sweep
+    """Run the pipeline as a Hydra app, with key=value overrides; -m runs a multirun sweep.
 
-    Usage: draftsmith run [-m] [key=value ...]. Examples: `draftsmith run preset=gpu`, `draftsmith run -m distill.loss=tvd,jsd`.
-    Hydra's own options (--cfg job, --info, -m) pass through.
+    Examples: `draftsmith run preset=gpu`, `draftsmith run -m distill.loss=tvd,jsd`. Hydra's own options
+    pass through: --cfg job, --info, -sc install=bash (tab completion of config keys for `draftsmith run`).
     """
     from draftsmith.pipeline import app as hydra_app
     from draftsmith.pipeline.tracking import close_parent_if_open
 
-    sys.argv = ["draftsmith-run", *ctx.args]
+    sys.argv = ["draftsmith", *ctx.args]  # Hydra's completion script registers the program of argv[0]
     status = "FAILED"
     try:
         hydra_app.main()
@@ -38,7 +39,27 @@ def run(ctx: typer.Context) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) >= 3 and sys.argv[1] in ("-sc", "--shell-completion") and sys.argv[2].startswith("query="):
+        complete(sys.argv[2])  # what the script of `draftsmith run -sc install=bash` asks on <TAB>
+        return
     app()
+
+
+def complete(query: str) -> None:
+    """Shell completion: the commands, and after `run` Hydra's completion of config groups and keys (the
+    completion line without `run`, as Hydra would see it for an app of its own)."""
+    import os
+
+    line = os.environ.get("COMP_LINE", "")
+    words = line.split()
+    if len(words) >= 2 and words[1] == "run" and (len(words) > 2 or line.endswith(" ")):
+        from draftsmith.pipeline import app as hydra_app
+
+        os.environ["COMP_LINE"] = line.replace(" run", "", 1)
+        sys.argv = ["draftsmith", "-sc", query]
+        hydra_app.main()
+    else:
+        print("run serve bundle registry bench")
 
 
 bench = typer.Typer(help="Speed benchmarks that print ratios side by side.", no_args_is_help=True)
@@ -153,6 +174,8 @@ def serve(
     smooth_stream: int = typer.Option(0, help="stream accepted tokens in groups of this many, evenly paced (0: as they come)"),
     api_key: str = typer.Option(None, help="require 'Authorization: Bearer <key>' on /v1/*"),
     tracking_uri: str = typer.Option(None, help="MLflow URI for models:/ sources; default: $MLFLOW_TRACKING_URI or runs/demo"),
+    target: str = typer.Option(None, help="the target (an HF dir or a hub id) when it is not where target.json says; "
+                                          "checked against the sha256 recorded at publish"),
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API, speculative with the bundle's K (verified first)."""
     import os
@@ -164,7 +187,8 @@ def serve(
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('runs/demo/mlflow.db').resolve()}"
     try:
-        server = load_server(resolve_bundle(source, uri), device, dtype, max_model_len, max_batch_size, adaptive_k, smooth_stream)
+        server = load_server(resolve_bundle(source, uri), device, dtype, max_model_len, max_batch_size, adaptive_k, smooth_stream,
+                             target)
     except (BundleError, BundleSourceError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None
@@ -176,12 +200,15 @@ app.add_typer(bundle_app, name="bundle")
 
 
 @bundle_app.command("verify")
-def bundle_verify(path: Path = typer.Argument(..., help="the bundle dir")) -> None:
-    """Check the manifest, tokenizer identity, vocab sizes and speculative_config against vLLM's constraints."""
+def bundle_verify(path: Path = typer.Argument(..., help="the bundle dir"),
+                  target: str = typer.Option(None, help="another copy of the target (an HF dir or a hub id) to check"),
+                  quick: bool = typer.Option(False, help="do not hash the target's weight files")) -> None:
+    """Check the manifest, the weights against their configs, the target against target.json, tokenizer
+    identity, vocab sizes and speculative_config against vLLM's constraints; list every problem."""
     from draftsmith.pipeline.bundle import BundleError, verify
 
     try:
-        spec = verify(path)
+        spec = verify(path, target, quick)
     except BundleError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None

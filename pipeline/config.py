@@ -59,7 +59,6 @@ class TargetConfig:
     gguf_file: Optional[str] = None
     dtype: Dtype = MISSING
     cache_dir: str = MISSING
-    trust_remote_code: bool = MISSING
 
 
 @dataclass
@@ -143,12 +142,7 @@ class PublishConfig:
 
 @dataclass
 class ServeConfig:
-    host: str = MISSING
-    port: int = MISSING
-    max_batch_size: int = MISSING
-    max_model_len: int = MISSING
-    device: Device = MISSING
-    cuda_graphs: bool = MISSING
+    max_model_len: int = MISSING  # the context the bundle's serve.sh asks vLLM for (capped by both models')
 
 
 @dataclass
@@ -236,6 +230,5 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     _check(e.temperature > 0, "evaluate.temperature", "a positive number (T = 0 is always measured too)", e.temperature)
     _check(0.0 <= e.min_alpha <= 1.0, "evaluate.min_alpha", "a number in [0, 1]", e.min_alpha)
     _check(0.0 <= e.max_tau_loss <= 1.0, "evaluate.max_tau_loss", "a fraction in [0, 1]", e.max_tau_loss)
-    _check(1 <= s.port <= 65535, "serve.port", "a TCP port, 1 to 65535", s.port)
-    _check(s.max_batch_size >= 1, "serve.max_batch_size", "1 or more", s.max_batch_size)
+    _check(s.max_model_len >= 16, "serve.max_model_len", "16 or more", s.max_model_len)
     return typed

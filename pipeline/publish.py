@@ -6,6 +6,7 @@ place only when complete, so a crash leaves no bundle behind.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 from pathlib import Path
@@ -29,19 +30,21 @@ def bundle_of(output: StageOutput) -> Path:
 
 
 def serve_script(target: str, method: str, k: int, max_model_len: int) -> str:
-    """serve.sh: vLLM by default, draftsmith's own runtime with `./serve.sh draftsmith`."""
+    """serve.sh: vLLM by default, draftsmith's own runtime with `./serve.sh draftsmith`; TARGET=... overrides
+    where the target is (a dir or a hub id)."""
     spec = json.dumps({"method": method, "model": "@BUNDLE@/draft", "num_speculative_tokens": k})
     return "\n".join([
         "#!/usr/bin/env bash",
-        "# Serve the target with this bundle's draft, lossless. Usage: ./serve.sh [vllm|draftsmith] [extra args...]",
+        "# Serve the target with this bundle's draft, lossless. Usage: [TARGET=dir-or-hub-id] ./serve.sh [vllm|draftsmith] [args...]",
         "set -euo pipefail",
         'BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
-        f"TARGET={target}",
+        'GIVEN="${TARGET:-}"',
+        f'TARGET="${{TARGET:-{target}}}"',
         f"SPEC={shlex.quote(spec)}",
         'runtime="${1:-vllm}"; shift || true',
         'case "$runtime" in',
         f'  vllm) exec vllm serve "$TARGET" --max-model-len {max_model_len} --speculative-config "${{SPEC//@BUNDLE@/$BUNDLE}}" "$@" ;;',
-        '  draftsmith) exec draftsmith serve "$BUNDLE" "$@" ;;',
+        '  draftsmith) exec draftsmith serve "$BUNDLE" ${GIVEN:+--target "$GIVEN"} "$@" ;;',
         '  *) echo "usage: $0 [vllm|draftsmith] [args...]" >&2; exit 2 ;;',
         "esac", ""])
 
@@ -89,6 +92,14 @@ def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: di
     return "\n".join(lines) + "\n"
 
 
+def link_or_copy(source: Path, dest: Path) -> None:
+    """A hard link where the file system allows one (a target's weights are large), else a copy."""
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copy2(source, dest)
+
+
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
     from draftsmith.evaluate.stage import with_gates
 
@@ -111,10 +122,10 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         (bundle / "target").mkdir()
         for pattern in _TARGET_FILES:
             for file in Path(reference["path"]).glob(pattern):
-                shutil.copy2(file, bundle / "target" / file.name)
-        target = '"$BUNDLE/target"'
-    else:
-        target = shlex.quote(reference["path"])
+                link_or_copy(file, bundle / "target" / file.name)
+        target = "$BUNDLE/target"
+    else:  # the hub id where there is one, else the path the target came from; TARGET=... overrides it
+        target = reference.get("hub_id") or reference["path"]
     (bundle / bundles.TARGET_JSON).write_text(json.dumps(reference, indent=2))
     (bundle / bundles.SPECULATIVE_CONFIG).write_text(json.dumps({"method": method, "model": "draft",
                                                                  "num_speculative_tokens": k}, indent=2))
@@ -126,7 +137,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     for name in PLOTS:
         shutil.copy2(evaluation.path / name, bundle / name)
     (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,
-                                                 inputs["quantize"].metrics, reference["path"], method))
+                                                 inputs["quantize"].metrics, reference.get("hub_id") or reference["name_or_path"], method))
     manifest = bundles.write_manifest(bundle)
     bundles.verify(bundle)
     return {"num_speculative_tokens": k, "method": method, "alpha": evaluation.metrics["alpha"], "tau": evaluation.metrics["tau"],
@@ -137,4 +148,5 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
 
 
 STAGE = Stage(name="publish", config_keys=("publish", "serve.max_model_len", "evaluate.min_alpha", "evaluate.max_tau_loss"),
-              inputs=("target", "distill", "quantize", "evaluate"), run=run)
+              inputs=("target", "distill", "quantize", "evaluate"), run=run,
+              artifacts=tuple(f"{BUNDLE_DIR}/{name}" for name in ("README.md", "eval.json", *PLOTS)))

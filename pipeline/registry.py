@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from draftsmith.pipeline.config import DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
-from draftsmith.pipeline.tracking import JOB_RUN_ENV, client, experiment_id, tracking_uri
+from draftsmith.pipeline.tracking import JOB_RUN_ENV, client, experiment_id, run_root, tracking_uri
 
 CHAMPION = "champion"
 MODEL_CODE = Path(__file__).with_name("mlflow_model.py")
@@ -74,7 +74,18 @@ def set_champion(mlflow_client, name: str, version: str) -> None:
     mlflow_client.set_registered_model_alias(name, CHAMPION, str(version))
 
 
-def register(bundle: Path, name: str, uri: str, experiment: str, tags: dict[str, str],
+def signature():
+    """What the registered model's predict takes and returns: prompts in, completions out, and the
+    sampling settings as params."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    params = ParamSchema([ParamSpec("max_tokens", "long", 128), ParamSpec("temperature", "double", 0.0),
+                          ParamSpec("seed", "long", None)])
+    return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]), params=params)
+
+
+def register(bundle: Path, name: str, uri: str, experiment: str, tags: dict[str, str], root: Path,
              min_speedup: float = 1.0) -> tuple[str, Decision]:
     """Log the bundle as a pyfunc model, register it under `name`, promote it if it is the best."""
     import mlflow
@@ -82,9 +93,10 @@ def register(bundle: Path, name: str, uri: str, experiment: str, tags: dict[str,
     mlflow_client = client(uri)
     mlflow.set_tracking_uri(uri)
     run_id = os.environ.get(JOB_RUN_ENV)
-    with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else experiment_id(mlflow_client, experiment),
+    with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else experiment_id(mlflow_client, experiment, root),
                           run_name=None if run_id else "register"):
         info = mlflow.pyfunc.log_model(name="bundle", python_model=str(MODEL_CODE), artifacts={"bundle": str(bundle)},
+                                       signature=signature(),
                                        pip_requirements=[f"draftsmith=={metadata.version('draftsmith')}"])
     if not any(m.name == name for m in mlflow_client.search_registered_models(f"name = '{name}'")):
         mlflow_client.create_registered_model(name)
@@ -118,7 +130,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         return {"registered": False, "reason": "tracking.enabled=false"}
     name = cfg.tracking.registry_name
     version, decision = register(bundle_of(inputs["publish"]), name, tracking_uri(cfg.tracking.uri, cfg.paths.root),
-                                 cfg.experiment, version_tags(cfg, inputs), cfg.evaluate.min_speedup)
+                                 cfg.experiment, version_tags(cfg, inputs), run_root(cfg.paths.root), cfg.evaluate.min_speedup)
     (out / "registered.json").write_text(json.dumps({"name": name, "version": version, "champion": decision.promote,
                                                      "reason": decision.reason}, indent=2))
     return {"registered": True, "name": name, "version": version, "champion": decision.promote, "reason": decision.reason}

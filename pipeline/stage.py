@@ -30,6 +30,10 @@ class StageError(RuntimeError):
     """A stage failed; the message names the stage and the cause. Nothing half-written is left."""
 
 
+class StageInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during a stage: its work dir is kept, so the same command resumes it."""
+
+
 @dataclass(frozen=True)
 class StageOutput:
     name: str
@@ -124,8 +128,9 @@ def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: P
 
     The stage works in root/<name>/.tmp-<fingerprint[:16]>: a run killed outright leaves it there, and
     the next run with the same fingerprint gets it back, so a stage can resume from what it wrote
-    (teacher shards, training checkpoints). A stage that raises leaves nothing. A lock file keeps two
-    jobs of a sweep from building the same output at once: the second waits and reuses the first's.
+    (teacher shards, training checkpoints); so does one interrupted (Ctrl-C, SIGTERM). A stage that
+    raises leaves nothing. A lock file keeps two jobs of a sweep from building the same output at
+    once: the second waits and reuses the first's.
     """
     config = {key: config_section(cfg, key) for key in stage.config_keys}
     identity = stage.identity(cfg) if stage.identity else {}
@@ -190,9 +195,12 @@ def _build(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Pat
         if final.exists():  # an incomplete leftover: replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
+    except KeyboardInterrupt:  # a kill's work survives; so does an interrupt's
+        raise StageInterrupted(f"stage '{stage.name}' interrupted; its work so far is kept in {tmp}: "
+                               "run the same command to resume") from None
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if isinstance(e, SystemExit):
             raise
         raise StageError(f"stage '{stage.name}' failed: {type(e).__name__}: {e}") from e
     return StageOutput(stage.name, final, fp, cached=False, record=record)

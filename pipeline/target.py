@@ -153,9 +153,16 @@ def describe_target(path: Path) -> dict[str, Any]:
     }
 
 
+def hub_id_of(cfg: TargetConfig) -> str | None:
+    """The target's id on the hub, where it came from there: what a vLLM user passes as the model. None
+    for local dirs and GGUF files (the demo target's dequantized Q4_1 weights are not the hub's)."""
+    return None if _gguf_source(cfg) is not None or Path(cfg.name_or_path).expanduser().exists() else cfg.name_or_path
+
+
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
     path = resolve_target_dir(cfg.target)
-    reference = {"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision, **describe_target(path)}
+    reference = {"name_or_path": cfg.target.name_or_path, "hub_id": hub_id_of(cfg.target), "revision": cfg.target.revision,
+                 **describe_target(path)}
     (out / TARGET_JSON).write_text(json.dumps(reference, indent=2))
     weights_bytes = sum((path / name).stat().st_size for name in reference["weights_sha256"])
     return {"num_hidden_layers": reference["num_hidden_layers"], "vocab_size": reference["vocab_size"],

@@ -42,9 +42,31 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-def experiment_id(mlflow_client, name: str) -> str:
+def experiment_id(mlflow_client, name: str, root: Path | None = None) -> str:
+    """The experiment's id, creating it with its artifacts under the run root (not ./mlruns of the
+    directory the command ran in)."""
     found = mlflow_client.get_experiment_by_name(name)
-    return found.experiment_id if found else mlflow_client.create_experiment(name)
+    if found:
+        return found.experiment_id
+    location = (root / "mlartifacts" / name).as_uri() if root is not None else None
+    return mlflow_client.create_experiment(name, artifact_location=location)
+
+
+def source_tags() -> dict[str, str]:
+    """What MLflow's UI shows as the run's source: the command, the user and the git commit of the
+    working directory (or of draftsmith's own checkout when it is installed from one)."""
+    import getpass
+    import subprocess
+    import sys
+
+    tags = {"mlflow.source.name": " ".join(["draftsmith", *sys.argv[1:]])[:500], "mlflow.source.type": "LOCAL",
+            "mlflow.user": getpass.getuser()}
+    for where in (Path.cwd(), Path(__file__).resolve().parent):
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True)
+        if done.returncode == 0:
+            tags["mlflow.source.git.commit"] = done.stdout.strip()
+            break
+    return tags
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -66,9 +88,16 @@ class ParentRunCallback(Callback):
     def _open(self, config: DictConfig, kind: str) -> None:
         if not config.tracking.enabled or os.environ.get(PARENT_ENV) or process_rank()[0] != 0:
             return
+        if kind == "run":  # a configuration that fails validation gets no run at all
+            from draftsmith.pipeline.config import ConfigError, validate
+
+            try:
+                validate(config)
+            except ConfigError:
+                return
         c = client(_uri_from(config))
-        run = c.create_run(experiment_id(c, config.experiment), run_name=f"{config.experiment}-{kind}",
-                           tags={"draftsmith.kind": kind})
+        run = c.create_run(experiment_id(c, config.experiment, run_root(config.paths.root)), run_name=f"{config.experiment}-{kind}",
+                           tags={"draftsmith.kind": kind, **source_tags()})
         os.environ[PARENT_ENV] = run.info.run_id
         os.environ[PARENT_URI_ENV] = _uri_from(config)
         self._opened = (c, run.info.run_id)
@@ -109,12 +138,12 @@ def close_parent_if_open(status: str) -> None:
 class JobRun:
     """The child run of one job: params at start, stage metrics as stages finish."""
 
-    def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, Any]):
+    def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, Any], root: Path):
         self.client = client(uri)
-        tags = {"draftsmith.kind": "job"}
+        tags = {"draftsmith.kind": "job", **source_tags()}
         if parent := os.environ.get(PARENT_ENV):
             tags["mlflow.parentRunId"] = parent
-        run = self.client.create_run(experiment_id(self.client, experiment), run_name=run_name, tags=tags)
+        run = self.client.create_run(experiment_id(self.client, experiment, root), run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         os.environ[JOB_RUN_ENV] = self.run_id
         from mlflow.entities import Param
@@ -144,4 +173,5 @@ class JobRun:
 
 
 def config_params(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    """The config as plain values: `distill.loss=tvd`, not the enum's repr, so that runs filter by it."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

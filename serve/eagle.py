@@ -48,7 +48,10 @@ class EagleFormatError(ValueError):
 
 def is_eagle_dir(path: Path) -> bool:
     config = Path(path) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("speculators_model_type") == MODEL_TYPE
+    try:
+        return config.is_file() and json.loads(config.read_text()).get("speculators_model_type") == MODEL_TYPE
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False  # not a readable config: not a head (verify says what is wrong with it)
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:

@@ -9,6 +9,9 @@ import torch
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker (and per pipeline it starts): workers share the cores
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 FAMILIES = ("llama", "qwen2", "mistral", "smollm2")
 

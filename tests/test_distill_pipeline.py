@@ -123,3 +123,24 @@ def test_two_processes_train_data_parallel(tiny_chat_target, tmp_path):
     # both ranks' micro-batches count: 6 steps x batch 4 sequences of prompt + response tokens
     assert distill["metrics"]["train_tokens"] > 0 and (Path(distill["path"]) / "draft" / "model.safetensors").is_file()
     assert done.stdout.count("draftsmith run:") == 1  # one summary, from rank 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_teacher_stage_keeps_its_shards_and_the_same_command_resumes(tiny_chat_target, tmp_path, sig):
+    root = tmp_path / "runs"
+    args = args_for(tiny_chat_target, root, "distill.teacher.batch_size=2", "stop_after=teacher")
+    process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "COLUMNS": "200"})
+    deadline = time.time() + 600
+    while time.time() < deadline and process.poll() is None and not list(root.glob("teacher/.tmp-*/shards/*.arrow")):
+        time.sleep(0.05)
+    assert process.poll() is None, "the teacher stage ended before it could be interrupted"
+    process.send_signal(sig)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 130, output[-2000:]
+    assert "stage 'teacher' interrupted" in output and "run the same command to resume" in output
+    assert "Traceback" not in output
+    kept = list(root.glob("teacher/.tmp-*/shards/*.arrow"))
+    assert kept and not list((root / "teacher").glob("[!.]*"))  # the finished shards stay, nothing is published
+    run(args, tmp_path)
+    assert record(root, "teacher")["metrics"]["resumed_shards"] >= len(kept)

@@ -1,6 +1,7 @@
 """The bundle end to end on a tiny chat target: published, verified, registered and promoted; verify
 catching tampering; a crash mid-publish leaving nothing; promotion rules; a sweep picking its best."""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -202,3 +203,129 @@ def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
     (broken / "draft" / "tokenizer.json").unlink()
     with pytest.raises(BundleError, match="missing file"):
         load_server(broken, device="cpu", dtype="bfloat16", max_model_len=128)
+
+
+# -- a bundle that travels, and verify as a gate -----------------------------------------------------
+
+def moved_target(published, tmp_path) -> tuple[Path, Path]:
+    """A copy of the bundle whose recorded target path no longer exists, and a copy of the target elsewhere."""
+    _, bundle, _ = published
+    copy = Path(shutil.copytree(bundle, tmp_path / "elsewhere" / "bundle"))
+    reference = json.loads((copy / "target.json").read_text())
+    target = Path(shutil.copytree(reference["path"], tmp_path / "models" / "target"))
+    (copy / "target.json").write_text(json.dumps({**reference, "path": str(tmp_path / "was-here")}, indent=2))
+    write_manifest(copy)
+    return copy, target
+
+
+def test_a_copied_bundle_verifies_and_serves_with_the_target_given_elsewhere(published, tmp_path):
+    from draftsmith.serve.server import load_server
+
+    bundle, target = moved_target(published, tmp_path)
+    with pytest.raises(BundleError, match="is not a model dir .*pass the target with --target PATH_OR_HUB_ID"):
+        verify(bundle)
+    assert verify(bundle, target)["method"] == "draft_model"
+    done = draftsmith("bundle", "verify", str(bundle), "--target", str(target), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    server = load_server(bundle, device="cpu", dtype="float32", max_model_len=64, target=str(target))
+    assert server.scheduler.engine.draft is not None
+    assert str(target) not in (bundle / "eval.json").read_text() and "/runs/" not in (bundle / "eval.json").read_text()
+    assert 'TARGET="${TARGET:-' in (bundle / "serve.sh").read_text()
+    weights = next(target.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=f"target file {weights.name} differs from the target the bundle was made for"):
+        verify(bundle, target)
+    assert verify(bundle, target, quick=True)  # --quick hashes no weights
+    refused = draftsmith("serve", str(bundle), "--target", str(target), "--device", "cpu", cwd=tmp_path)
+    assert refused.returncode == 1 and weights.name in refused.stderr and "Traceback" not in refused.stderr
+
+
+def tampered(bundle: Path, how: str) -> None:
+    draft = bundle / "draft"
+    weights = draft / "model.safetensors"
+    if how == "manifest JSON":
+        (bundle / "manifest.json").write_text('{"format_version": 1, "files": {')
+        return
+    if how == "manifest without files":
+        (bundle / "manifest.json").write_text('{"format_version": 1}')
+        return
+    if how == "speculative_config JSON":
+        (bundle / "speculative_config.json").write_text("{'method': draft_model}")
+    elif how == "draft config JSON":
+        (draft / "config.json").write_text('{"vocab_size": 49152,')
+    elif how == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:-1000])
+    elif how == "corrupted header":
+        data = bytearray(weights.read_bytes())
+        data[10:14] = b"\xff\xfe\x00{"
+        weights.write_bytes(bytes(data))
+    elif how == "layers":
+        config = json.loads((draft / "config.json").read_text())
+        (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))
+    elif how == "K=1000":
+        spec = json.loads((bundle / "speculative_config.json").read_text())
+        (bundle / "speculative_config.json").write_text(json.dumps({**spec, "num_speculative_tokens": 1000}))
+    elif how == "symlinked weights":
+        real = bundle.parent / "elsewhere.safetensors"
+        weights.rename(real)
+        weights.symlink_to(real)
+    write_manifest(bundle)  # built wrong, not tampered with afterwards: only the content checks can catch it
+
+
+@pytest.mark.parametrize("how,reason", [
+    ("manifest JSON", "manifest.json is not valid JSON"),
+    ("manifest without files", 'manifest.json has no "files" table'),
+    ("speculative_config JSON", "speculative_config.json is not valid JSON"),
+    ("draft config JSON", "draft/config.json is not valid JSON"),
+    ("truncated weights", "draft/model.safetensors is truncated"),
+    ("corrupted header", "draft/model.safetensors is not readable: its safetensors header is not valid JSON"),
+    ("layers", "draft tensor model.layers.1.input_layernorm.weight is missing (config.json has 5 layers)"),
+    ("K=1000", "num_speculative_tokens=1000: at most 16"),
+    ("symlinked weights", "draft/model.safetensors is a symbolic link"),
+])
+def test_verify_refuses_a_broken_bundle_with_a_one_line_reason(bundle_copy, how, reason):
+    tampered(bundle_copy, how)
+    with pytest.raises(BundleError, match=re.escape(reason)):
+        verify(bundle_copy)
+
+
+def test_bundle_verify_lists_problems_without_a_traceback(bundle_copy, published):
+    tampered(bundle_copy, "draft config JSON")
+    done = draftsmith("bundle", "verify", str(bundle_copy), cwd=published[0])
+    assert done.returncode == 1 and "draft/config.json is not valid JSON" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_wrong_registry_is_one_line(published, tmp_path):
+    tmp, _, _ = published
+    missing = draftsmith("serve", "models:/draftsmith-draft@champion", "--tracking-uri", f"sqlite:///{tmp_path / 'other.db'}",
+                         "--device", "cpu", cwd=tmp_path)
+    assert missing.returncode == 1 and "there is no MLflow store at" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    unknown = draftsmith("serve", "models:/no-such-model@champion", "--tracking-uri", f"sqlite:///{tmp / 'runs' / 'mlflow.db'}",
+                         "--device", "cpu", cwd=tmp_path)
+    assert unknown.returncode == 1 and "could not be read from the registry" in unknown.stderr and "Traceback" not in unknown.stderr
+
+
+def test_mlflow_records_plain_params_source_tags_artifacts_under_the_run_root_and_a_signature(published):
+    from mlflow.models import get_model_info
+    from mlflow.tracking import MlflowClient
+
+    tmp, _, _ = published
+    root = tmp / "runs"
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}", registry_uri=f"sqlite:///{root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("t")
+    assert experiment.artifact_location.startswith(root.as_uri())
+    job = next(r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("draftsmith.kind") == "job")
+    assert job.data.params["distill.loss"] == "tvd" and job.data.params["draft.kind"] == "standalone"
+    assert len(job.data.tags["mlflow.source.git.commit"]) == 40 and job.data.tags["mlflow.user"]
+    logged = {a.path for a in client.list_artifacts(job.info.run_id, "publish/bundle")}
+    assert {"publish/bundle/README.md", "publish/bundle/eval.json"} <= logged
+    assert "teacher/stage.json" in {a.path for a in client.list_artifacts(job.info.run_id, "teacher")}
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    mlflow.set_registry_uri(f"sqlite:///{root / 'mlflow.db'}")
+    info = get_model_info("models:/draftsmith-draft/1")
+    assert info.signature is not None and [p.name for p in info.signature.params] == ["max_tokens", "temperature", "seed"]
