@@ -92,7 +92,7 @@ class ParentRunCallback(Callback):
             from draftsmith.pipeline.config import ConfigError, validate
 
             try:
-                validate(config)
+                validate(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
             except ConfigError:
                 return
         c = client(_uri_from(config))

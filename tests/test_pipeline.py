@@ -77,6 +77,12 @@ def test_bad_config_fails_before_any_work(tmp_path):
     assert done.returncode == 2
     assert "quantize.bits=2: fewer than 4 bits is refused" in done.stdout
     assert not (tmp_path / "runs" / "target").exists()
+    db = tmp_path / "runs" / "mlflow.db"  # and no empty FAILED run in the store
+    if db.exists():
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+        assert not client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
 def test_unresolvable_targets_say_what_to_do(tmp_path):
