@@ -92,6 +92,17 @@ def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: di
     return "\n".join(lines) + "\n"
 
 
+def alert_rules(min_alpha: float) -> str:
+    """The shipped Prometheus rules (serve/monitoring/alerts.yml) with the low-acceptance alert at this
+    bundle's own gate, so that the alert fires where the gate would have refused the draft."""
+    import re
+    from importlib import resources
+
+    text = (resources.files("draftsmith.serve") / "monitoring" / "alerts.yml").read_text()
+    text = re.sub(r"(draftsmith:spec_decode_num_draft_tokens_total\[5m\]\)\)) < [0-9.]+", rf"\1 < {min_alpha:g}", text, count=1)
+    return text.replace("< 55% for 5 minutes", f"< {min_alpha:.0%} (the bundle's evaluate.min_alpha) for 5 minutes")
+
+
 def link_or_copy(source: Path, dest: Path) -> None:
     """A hard link where the file system allows one (a target's weights are large), else a copy."""
     try:
@@ -134,6 +145,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     (bundle / "serve.sh").write_text(serve_script(target, method, k, max_model_len))
     (bundle / "serve.sh").chmod(0o755)
     (bundle / "eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    (bundle / "alerts.yml").write_text(alert_rules(cfg.evaluate.min_alpha))
     for name in PLOTS:
         shutil.copy2(evaluation.path / name, bundle / name)
     (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,

@@ -75,7 +75,7 @@ def test_compose_mounts_existing_files_and_wires_prometheus_and_grafana():
     targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
     assert {f"{name}:8000" for name in ("server", "vllm")} == set(targets)
     rules = yaml.safe_load((DEPLOY.parent / "serve" / "monitoring" / "alerts.yml").read_text())
-    assert rules["groups"][0]["rules"]  # the shipped rules, as Prometheus reads them
+    assert rules["groups"][0]["rules"]  # the shipped rules, as Prometheus reads them (publish sets the bundle's gate)
 
     datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
     assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"

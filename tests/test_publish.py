@@ -56,6 +56,10 @@ def test_published_bundle_verifies_and_is_the_registered_champion(published):
     for name in ("target.json", "serve.sh", "eval.json", "README.md", "manifest.json", "tau_vs_k.png"):
         assert (bundle / name).is_file(), name
     assert "vllm serve" in (bundle / "serve.sh").read_text() and "draftsmith serve" in (bundle / "serve.sh").read_text()
+    import yaml  # the bundle's alert rules fire below its own acceptance gate (0.0 in these tests)
+
+    rules = {r["alert"]: r for r in yaml.safe_load((bundle / "alerts.yml").read_text())["groups"][0]["rules"]}
+    assert rules["DraftsmithLowAcceptance"]["expr"].strip().endswith("< 0")
     rows = registry_rows(tmp / "runs")
     assert len(rows) == 1 and rows[0]["champion"] == "yes" and rows[0]["quantization"] == "W4A16 asymmetric"
     # the summary names the bundle, alpha, tau, K and the vllm command
