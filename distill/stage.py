@@ -26,7 +26,6 @@ from draftsmith.serve.weights import read_config
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
-    import torch
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 

@@ -21,7 +21,6 @@ import torch
 from draftsmith.evaluate.cost import expected_tokens
 from draftsmith.serve.engine import Completion, Engine, EngineError
 from draftsmith.serve.sampling import RowSampling, SamplingParams
-from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import StopChecker
 

@@ -16,7 +16,7 @@ from draftsmith.serve.engine import Engine
 from draftsmith.serve.proposers import EagleProposer
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
-from tests.conftest import save_tiny_head, save_tiny_model
+from tests.conftest import save_tiny_head
 from tests.test_sampling import PROMPT, SAMPLES, VOCAB, chi_square_p, exact_joint, small_vocab_models  # noqa: F401
 from tests.test_speculative import random_prompts
 
