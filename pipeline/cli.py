@@ -173,6 +173,7 @@ def serve(
                                                "step costs (0 where speculation would slow the batch); off: the bundle's K"),
     smooth_stream: int = typer.Option(0, help="stream accepted tokens in groups of this many, evenly paced (0: as they come)"),
     api_key: str = typer.Option(None, help="require 'Authorization: Bearer <key>' on /v1/*"),
+    max_body_bytes: int = typer.Option(4 << 20, help="larger request bodies get 413"),
     tracking_uri: str = typer.Option(None, help="MLflow URI for models:/ sources; default: $MLFLOW_TRACKING_URI or runs/demo"),
     target: str = typer.Option(None, help="the target (an HF dir or a hub id) when it is not where target.json says; "
                                           "checked against the sha256 recorded at publish"),
@@ -192,7 +193,7 @@ def serve(
     except (BundleError, BundleSourceError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None
-    uvicorn.run(create_app(server, api_key), host=host, port=port)
+    uvicorn.run(create_app(server, api_key, max_body_bytes), host=host, port=port)
 
 
 bundle_app = typer.Typer(help="Published bundles.", no_args_is_help=True)

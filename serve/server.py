@@ -20,7 +20,7 @@ from typing import AsyncIterator, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from draftsmith.serve.engine import Completion, Engine, EngineError
 from draftsmith.serve.sampling import SamplingError, SamplingParams
@@ -28,6 +28,7 @@ from draftsmith.serve.scheduler import Request as EngineRequest, Scheduler
 from draftsmith.serve.stats import SpecStats
 
 PREFIX = "draftsmith:"
+DISCONNECT_CHECK_S = 0.25  # how often a waiting non-streaming request looks for its client
 
 
 class BundleSourceError(ValueError):
@@ -67,37 +68,111 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
+    """The sampling fields both endpoints take; null means the default, as in OpenAI's API."""
     model: str | None = None
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context (OpenAI and vLLM do the same)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None  # accepted, not honoured per request: a continuous batch shares one RNG
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None  # include_usage: a last chunk with the token counts
+    n: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    echo: bool | None = None
+    tools: list | None = None
+    response_format: dict | None = None
 
-    def params(self) -> SamplingParams:
+    def max_new_tokens(self, room: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or room
+
+    def params(self, max_new_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_tokens,
-                              stop=tuple(stop))
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, max_new_tokens=max_new_tokens, stop=tuple(stop))
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, why) for a request this server would otherwise answer differently than asked."""
+        if (self.n or 1) > 1 or (self.best_of or 1) > 1:
+            return ("n" if (self.n or 1) > 1 else "best_of"), "one completion per request is supported (n = 1)"
+        if self.logprobs or self.top_logprobs:
+            return "logprobs" if self.logprobs else "top_logprobs", "log-probabilities are not returned by this server"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.tools:
+            return "tools", "tool calls are not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only the text response format is supported"
+        return None
 
 
 class CompletionRequest(Sampling):
-    prompt: str = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def one_prompt(cls, prompt):
+        """A string or token ids, alone or as a list of one; several prompts are several requests here."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request is supported (send the others as requests of their own)")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
 
 
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    def as_dict(self) -> dict:
+        """The message as a chat template reads it: content parts joined; developer is a system message."""
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
 
 
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error object."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def settled(text: str, stops: tuple[str, ...]) -> str:
+    """What of a streamed text no stop string can still cut away: the text before any stop string, less
+    a tail that could begin one. Streaming only this makes stream and non-stream text equal."""
+    for stop in stops:
+        if (at := text.find(stop)) >= 0:
+            text = text[:at]
+    tail = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    return text[:len(text) - tail]
+
+
+def invalid_unicode(value) -> str | None:
+    """The path of the first string in a parsed JSON body that is not valid Unicode (a lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return ""
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (inner := invalid_unicode(item)) is not None:
+            return f"{key}.{inner}".rstrip(".")
+    return None
 
 
 class Metrics:
@@ -128,6 +203,8 @@ class Server:
                  adaptive_k: bool = True, smooth_stream: int = 0):
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.k, self.smooth_stream = num_speculative_tokens, smooth_stream
+        if engine.detokenize is None:  # stop strings are matched on the text the client gets
+            engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, num_speculative_tokens, adaptive=adaptive_k, on_step=self._count)
         self.metrics.running.set_function(lambda: self.scheduler.num_running)
@@ -165,9 +242,9 @@ class Server:
 
     def prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
         if isinstance(request, ChatRequest):
-            ids = self.tokenizer.apply_chat_template([m.model_dump() for m in request.messages], add_generation_prompt=True)
+            ids = self.tokenizer.apply_chat_template([m.as_dict() for m in request.messages], add_generation_prompt=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return self.tokenizer.encode(request.prompt)
+        return list(request.prompt) if isinstance(request.prompt, list) else self.tokenizer.encode(request.prompt)
 
     def submit(self, ids: list[int], params: SamplingParams) -> tuple[EngineRequest, asyncio.Queue]:
         """Queue a request on the scheduler; its tokens lists and then its Completion (or exception)
@@ -182,7 +259,56 @@ class Server:
         return completion.text if completion.text is not None else self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
 
 
-def create_app(server: Server, api_key: str | None = None) -> FastAPI:
+class BodyGuard:
+    """ASGI middleware in front of the API: the API key on /v1/*, POST bodies of at most `max_bytes`
+    (413 beyond) read as JSON whatever Content-Type the client sent (curl -d sends form-urlencoded).
+    Plain ASGI, so that a handler still hears its client disconnect."""
+
+    class TooLarge(Exception):
+        pass
+
+    def __init__(self, app, max_bytes: int, api_key: str | None = None):
+        self.app, self.max_bytes, self.api_key = app, max_bytes, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith("/v1/") and headers.get(b"authorization") != f"Bearer {self.api_key}".encode():
+            return await error(401, "missing or wrong API key (Authorization: Bearer <key>)")(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        too_large = error(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)")
+        declared = headers.get(b"content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_bytes:
+            return await too_large(scope, receive, send)
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                 + [(b"content-type", b"application/json")]}
+        received, started = 0, False
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyGuard.TooLarge
+            return message
+
+        async def sending(message):
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, sending)
+        except BodyGuard.TooLarge:
+            if not started:
+                await too_large(scope, receive, send)
+
+
+def create_app(server: Server, api_key: str | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
+    from starlette.exceptions import HTTPException
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.start()  # warm-up runs on the engine thread; /ready tells when it is done
@@ -190,18 +316,20 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         server.stop()
 
     app = FastAPI(title="draftsmith", lifespan=lifespan)
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a parameter
+            return error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {api_key}":
-            return error(401, "missing or wrong API key (Authorization: Bearer <key>)")
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404, 405 and the like
+        return error(exc.status_code, str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+
 
     @app.get("/health")
     async def health() -> dict:
@@ -217,20 +345,39 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
         return PlainTextResponse(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    model_card = lambda: {"id": server.model_name, "object": "model", "owned_by": "draftsmith", "created": 0,
+                          "max_model_len": server.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "draftsmith",
-                                            "created": 0, "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
 
-    async def handle(request: CompletionRequest | ChatRequest, chat: bool):
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != server.model_name:
+            return error(404, f"the model {model_id!r} does not exist: this server serves {server.model_name!r}", "model",
+                         "model_not_found")
+        return model_card()
+
+    async def handle(request: CompletionRequest | ChatRequest, chat: bool, http: Request):
+        if request.model is not None and request.model != server.model_name:
+            return error(404, f"the model {request.model!r} does not exist: this server serves {server.model_name!r}",
+                         "model", "model_not_found")
+        if (where := invalid_unicode(request.model_dump())) is not None:
+            return error(400, f"{where}: not valid Unicode (a lone surrogate)", where)
+        if unsupported := request.unsupported():
+            return error(400, f"{unsupported[0]}: {unsupported[1]}", unsupported[0])
+        ids = await asyncio.to_thread(server.prompt_ids, request)  # tokenizing a long prompt must not stall the loop
+        room = server.max_model_len - len(ids)
+        asked = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        new_tokens = request.max_new_tokens(room)
+        if room < 1 or new_tokens > room:
+            return error(400, f"{len(ids)} prompt tokens + {asked} {new_tokens} exceed the context of "
+                              f"{server.max_model_len} tokens", asked if room >= 1 else ("messages" if chat else "prompt"))
         try:
-            params = request.params()
+            params = request.params(new_tokens)
         except SamplingError as e:
             return error(400, str(e))
-        ids = server.prompt_ids(request)
-        if len(ids) + request.max_tokens > server.max_model_len:
-            return error(400, f"{len(ids)} prompt tokens + max_tokens {request.max_tokens} exceed the context of "
-                              f"{server.max_model_len} tokens", "max_tokens")
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         started = time.perf_counter()
@@ -242,15 +389,28 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             usage = request.stream_options is not None and request.stream_options.include_usage
             return StreamingResponse(stream(engine_request, updates, rid, created, kind, chat, started, usage),
                                      media_type="text/event-stream")
+        first_at, checked = None, started
         try:
-            while not isinstance(item := await updates.get(), tuple):
-                pass  # tokens: only the completion matters here
+            while True:
+                try:
+                    item = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_CHECK_S)
+                except asyncio.TimeoutError:
+                    item = None
+                if time.perf_counter() - checked >= DISCONNECT_CHECK_S:
+                    checked = time.perf_counter()
+                    if await http.is_disconnected():  # the client went away: free its row now
+                        return error(499, "the client closed the connection")
+                if isinstance(item, tuple):
+                    break
+                if item and first_at is None:
+                    first_at = time.perf_counter()
+                    server.metrics.ttft.observe(first_at - started)
         finally:
             engine_request.cancelled.set()  # no-op once done; frees the row if this handler was cancelled
         result = item[1]
         if isinstance(result, BaseException):
             return error(500, f"generation failed: {result}")
-        observe(result, started, None)
+        observe(result, started, first_at)
         text = server.text_of(result)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text})
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(result.tokens),
@@ -310,7 +470,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                     if j and updates.empty():  # pace the burst over the expected step time, never behind
                         await asyncio.sleep(step_s / len(groups))
                     tokens += part
-                    text = server.tokenizer.decode(tokens, skip_special_tokens=True)
+                    text = settled(server.tokenizer.decode(tokens, skip_special_tokens=True), engine_request.params.stop)
                     if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
                         yield chunk({"content": text[len(sent):]})
                         sent = text
@@ -319,12 +479,12 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             engine_request.cancelled.set()
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await handle(request, chat=False)
+    async def completions(request: CompletionRequest, http: Request):
+        return await handle(request, chat=False, http=http)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatRequest):
-        return await handle(request, chat=True)
+    async def chat_completions(request: ChatRequest, http: Request):
+        return await handle(request, chat=True, http=http)
 
     return app
 

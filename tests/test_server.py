@@ -164,3 +164,87 @@ def test_stream_smoothing_sends_bursts_in_small_groups(tiny_chat_target):
     bursts, smooth = asyncio.run(chunks(0)), asyncio.run(chunks(1))
     assert "".join(bursts) == "".join(smooth)
     assert len(smooth) > 2 * len(bursts)
+
+
+def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
+    import openai as openai_errors
+
+    openai = client(base_url)
+    short = openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                           max_completion_tokens=3, temperature=0)
+    assert short.usage.completion_tokens <= 3
+    parts = openai.chat.completions.create(model="tiny", temperature=0, max_tokens=5, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    assert parts.choices[0].message.content is not None
+    ids = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"model": "tiny", "prompt": [[1, 5, 9]], "max_tokens": 3, "temperature": None}).json()
+    assert ids["usage"]["prompt_tokens"] == 3
+    listed = openai.completions.create(model="tiny", prompt=["Balance inquiry:"], max_tokens=3, temperature=0)
+    assert listed.choices[0].text is not None
+    with pytest.raises(openai_errors.NotFoundError) as missing:
+        openai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    for extra, param in ((dict(n=2), "n"), (dict(logprobs=True), "logprobs"), (dict(tools=[{"type": "function",
+                         "function": {"name": "f", "parameters": {}}}]), "tools")):
+        with pytest.raises(openai_errors.BadRequestError) as refused:
+            openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, **extra)
+        assert refused.value.body["param"] == param
+    assert httpx.get(f"{base_url}/v1/models/tiny", headers={"Authorization": f"Bearer {API_KEY}"}).json()["id"] == "tiny"
+    # no max_tokens: the rest of the context
+    rest = openai.completions.create(model="tiny", prompt="Card declined", temperature=0)
+    assert rest.usage.completion_tokens > 16 or rest.choices[0].finish_reason == "stop"
+
+
+STOPS = [None, " ", ".", ["e", ","], "the card"]
+
+
+def test_streamed_text_equals_the_whole_answer_for_every_stop_setting(base_url):
+    openai = client(base_url)
+    prompts = [m[0]["content"] for m in heldout_messages()[:20]]
+    for stop in STOPS:
+        for prompt in prompts:
+            kwargs = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop)
+            whole = openai.completions.create(**kwargs).choices[0].text
+            streamed = "".join(c.choices[0].text for c in openai.completions.create(stream=True, **kwargs))
+            assert streamed == whole, (stop, prompt)
+
+
+def test_clients_that_disconnect_free_their_rows(base_url):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "prompt": "Tell me about wire transfers", "max_tokens": 150, "temperature": 0}
+
+    def abandon():
+        try:
+            httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=0.3)
+        except httpx.TimeoutException:
+            pass
+
+    threads = [threading.Thread(target=abandon) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    running = lambda: float(re.search(r"^draftsmith:num_requests_running (\S+)$", httpx.get(f"{base_url}/metrics").text, re.M)[1])
+    deadline = time.time() + 1.5
+    while running() > 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert running() == 0  # every abandoned generation was cancelled within a second or so
+    started = time.time()
+    answer = httpx.post(f"{base_url}/v1/completions", json={**body, "max_tokens": 4}, headers=headers, timeout=30)
+    assert answer.status_code == 200 and time.time() - started < 5
+
+
+def test_bad_bodies_get_openai_errors(base_url):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    surrogate = httpx.post(f"{base_url}/v1/chat/completions", headers={**headers, "Content-Type": "application/json"},
+                           content=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 3}')
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "messages.0.content"
+    huge = httpx.post(f"{base_url}/v1/completions", headers=headers, json={"prompt": "x", "padding": "y" * (5 << 20)})
+    assert huge.status_code == 413 and huge.json()["error"]["message"].startswith("the request body is larger")
+    for response in (httpx.get(f"{base_url}/v1/nowhere", headers=headers), httpx.get(f"{base_url}/v1/completions", headers=headers),
+                     httpx.post(f"{base_url}/v1/completions", headers=headers, content=b"{not json")):
+        assert 400 <= response.status_code < 500 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert response.json()["error"]["param"] is None
+    curl_style = httpx.post(f"{base_url}/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                            headers={**headers, "Content-Type": "application/x-www-form-urlencoded"})  # what curl -d sends
+    assert curl_style.status_code == 200
