@@ -2,6 +2,7 @@
 driver older than the image's CUDA with a clear message and runs the server otherwise, and the compose
 file and the Prometheus / Grafana provisioning fit together and with the files they mount."""
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -62,15 +63,18 @@ def test_compose_mounts_existing_files_and_wires_prometheus_and_grafana():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = compose["services"]
     assert {"server", "vllm", "prometheus", "grafana"} <= set(services)
+    def mount(volume):  # (source, target); ${VAR:?message} holds colons of its own
+        return tuple(re.sub(r"\$\{[^}]*\}", "$VAR", volume).split(":")[:2])
+
     for name, service in services.items():
         for volume in service.get("volumes", []):
-            source, target = volume.split(":")[:2]
+            source, target = mount(volume)
             if not source.startswith("$"):
                 assert (DEPLOY / source).exists(), f"{name} mounts {source}, which does not exist"
         if "build" in service:
             assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
     prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    mounted = {v.split(":")[1] for v in services["prometheus"]["volumes"]}
+    mounted = {mount(v)[1] for v in services["prometheus"]["volumes"]}
     assert set(prometheus["rule_files"]) <= mounted
     targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
     assert {f"{name}:8000" for name in ("server", "vllm")} == set(targets)
