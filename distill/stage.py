@@ -22,7 +22,7 @@ from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
 from draftsmith.serve.engine import compute_dtype, pick_device
-from draftsmith.serve.weights import read_config
+from draftsmith.serve.weights import check_fits, read_config
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
@@ -39,6 +39,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     vocab_size = read_config(target_dir)["vocab_size"]
     vocab = eagle.draft_vocabulary((r["response_ids"] for r in train_rows), vocab_size, cfg.draft.vocab_size)
     covered = eagle.coverage((r["response_ids"] for r in eval_rows), vocab)
+    check_fits(target_dir, compute_dtype(cfg.target.dtype.value, device), device)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=compute_dtype(cfg.target.dtype.value, device))
     if cfg.draft.kind == DraftKind.eagle3:
         student, objective = eagle_student(cfg, target, reference, vocab, out / "initial", state.is_main_process)

@@ -160,7 +160,12 @@ def hub_id_of(cfg: TargetConfig) -> str | None:
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
+    from draftsmith.serve.engine import compute_dtype, pick_device
+    from draftsmith.serve.weights import check_fits
+
     path = resolve_target_dir(cfg.target)
+    device = pick_device(cfg.device.value)
+    check_fits(path, compute_dtype(cfg.target.dtype.value, device), device)  # before any stage loads it
     reference = {"name_or_path": cfg.target.name_or_path, "hub_id": hub_id_of(cfg.target), "revision": cfg.target.revision,
                  **describe_target(path)}
     (out / TARGET_JSON).write_text(json.dumps(reference, indent=2))

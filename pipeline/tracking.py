@@ -69,6 +69,16 @@ def source_tags() -> dict[str, str]:
     return tags
 
 
+def where_tags() -> dict[str, str]:
+    """Which machine and process ran a job (and its Slurm job id): a sweep's jobs may run anywhere."""
+    import socket
+
+    tags = {"draftsmith.host": socket.gethostname(), "draftsmith.pid": str(os.getpid())}
+    if slurm := os.environ.get("SLURM_JOB_ID"):
+        tags["draftsmith.slurm_job_id"] = slurm
+    return tags
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for key, value in tree.items():
         name = f"{prefix}{key}"
@@ -140,7 +150,7 @@ class JobRun:
 
     def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, Any], root: Path):
         self.client = client(uri)
-        tags = {"draftsmith.kind": "job", **source_tags()}
+        tags = {"draftsmith.kind": "job", **source_tags(), **where_tags()}
         if parent := os.environ.get(PARENT_ENV):
             tags["mlflow.parentRunId"] = parent
         run = self.client.create_run(experiment_id(self.client, experiment, root), run_name=run_name, tags=tags)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 import torch
@@ -37,6 +39,36 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
     return tensors
 
 
+def weight_bytes(path: Path, dtype: torch.dtype) -> int:
+    """The bytes a model dir's weights take in `dtype`, from the safetensors headers (nothing loaded)."""
+    count = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return count * dtype.itemsize
+
+
+def free_bytes(device: str | torch.device) -> int:
+    """Memory free for weights: the GPU's free memory, or the host's available memory on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(path: str | Path, dtype: torch.dtype, device: str | torch.device, free: int | None = None) -> None:
+    """Refuse, before loading, a model whose weights alone exceed what `device` has free."""
+    need, free = weight_bytes(Path(path), dtype), free_bytes(device) if free is None else free
+    if need > free:
+        gib = 2 ** 30
+        raise WeightsError(f"{path} does not fit: its weights take {need / gib:.1f} GiB in {str(dtype).removeprefix('torch.')} "
+                           f"and {device} has {free / gib:.1f} GiB free. draftsmith runs the target on one device: use "
+                           f"a device with more memory, or a smaller target")
+
+
 def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     """Rename HF tensors to the runtime's and fuse q/k/v and gate/up projections."""
     def take(name: str) -> Tensor:
@@ -70,6 +102,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: st
 
     A compressed-tensors W4A16 / W8A16 checkpoint (the quantized draft) is dequantized at load."""
     config = read_config(Path(path))
+    if "quantization_config" not in config:  # packed weights grow at load; they are drafts, small anyway
+        check_fits(path, dtype, device)
     hf_state = read_safetensors(Path(path))
     if "quantization_config" in config:
         hf_state = dequantize(hf_state, config["quantization_config"], dtype)

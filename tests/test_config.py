@@ -56,3 +56,13 @@ def test_bad_values_name_the_key_and_allowed_values(override, message):
 def test_wrong_type_is_refused():
     with pytest.raises(Exception, match="distill.max_steps"):
         validate(composed("distill.max_steps=many"))
+
+
+def test_cluster_launchers_compose_with_draftsmith_defaults():
+    with initialize_config_module(config_module="draftsmith.conf", version_base="1.3"):
+        slurm = compose(config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                        return_hydra_config=True).hydra.launcher
+        local = compose(config_name="config", overrides=["hydra/launcher=local"], return_hydra_config=True).hydra.launcher
+    assert slurm._target_.endswith("SlurmLauncher") and local._target_.endswith("LocalLauncher")
+    assert (slurm.partition, slurm.gpus_per_node, slurm.timeout_min, slurm.max_num_timeout) == ("gpu", 1, 240, 3)
+    assert local.timeout_min == 1440  # not submitit's 60 minutes, which would kill a GPU pipeline

@@ -52,6 +52,20 @@ def test_pickled_weights_are_refused(tmp_path):
         load_model(tmp_path)
 
 
+def test_a_model_that_cannot_fit_is_refused_before_loading(tiny_models):
+    from draftsmith.serve.weights import check_fits, weight_bytes
+
+    target_dir, _ = tiny_models["llama"]
+    from transformers import AutoModelForCausalLM
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(target_dir).state_dict().values())
+    assert weight_bytes(target_dir, torch.bfloat16) == 2 * params and weight_bytes(target_dir, torch.float32) == 4 * params
+    check_fits(target_dir, torch.bfloat16, "cpu", free=2 * params)
+    with pytest.raises(WeightsError, match=r"does not fit: its weights take 0\.0 GiB in bfloat16 and cpu has 0\.0 GiB free"):
+        check_fits(target_dir, torch.bfloat16, "cpu", free=2 * params - 1)
+    check_fits(target_dir, torch.float32, "cpu")  # this machine's own available memory
+
+
 @pytest.mark.parametrize("heads, kv_heads, tokens", [(6, 2, 1), (6, 2, 4), (4, 4, 3)])
 def test_grouped_attention_equals_sdpa(heads, kv_heads, tokens):
     # the compiled decode path's attention: each row's queries at its own positions over a cache

@@ -54,6 +54,29 @@ def test_multirun_is_one_parent_with_a_child_per_job(tiny_chat_target, tmp_path)
     assert len(list((root / "distill").iterdir())) == 2
 
 
+def test_submitit_sweep_runs_jobs_as_processes_that_share_the_teacher(tiny_chat_target, tmp_path):
+    """hydra/launcher=local (submitit_local): both jobs start at once in processes of their own, meet at
+    the teacher's lock, and one builds what the other reuses; one MLflow parent groups them."""
+    root = tmp_path / "runs"
+    done = draftsmith_run("-m", "hydra/launcher=local", "experiment=t", "target=hf", f"target.name_or_path={tiny_chat_target}",
+                          f"paths.root={root}", "distill.learning_rate=1e-3,2e-3", *SMALL, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = mlflow_runs(root)
+    parents = [r for r in runs if r.data.tags.get("draftsmith.kind") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parents) == 1 and len(children) == 2 and len(runs) == 3
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert all(r.info.status == "FINISHED" for r in runs)
+    pids = {c.data.tags["draftsmith.pid"] for c in children}
+    assert len(pids) == 2  # the basic launcher runs every job in the one process it was started in
+    submitit_logs = list((root / "hydra" / "multirun").glob("*/.submitit/*/*_log.out"))
+    assert len(submitit_logs) == 2
+    for stage in ("target", "data", "teacher"):
+        assert len(list((root / stage).iterdir())) == 1
+        assert {c.data.tags[f"stage.{stage}.cached"] for c in children} == {"true", "false"}
+    assert len(list((root / "distill").iterdir())) == 2
+
+
 def test_single_run_then_cached_then_tracking_off(tiny_chat_target, tmp_path):
     target_dir = tiny_chat_target
     root = tmp_path / "runs"
