@@ -21,7 +21,7 @@ from draftsmith.distill.train import DraftObjective, Distiller
 from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
-from draftsmith.serve.engine import compute_dtype, pick_device
+from draftsmith.serve.engine import compute_dtype, eos_ids_of, pick_device
 from draftsmith.serve.weights import check_fits, read_config
 
 
@@ -47,7 +47,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         online = cfg.distill.loss.value != "hard_label" and "topk_ids" not in train_rows[0]  # else the logit cache
         student, objective = draft_student(cfg, target_dir, out / "initial", state, online)
     state.wait_for_everyone()
-    distiller = Distiller(cfg.distill, student, target, objective, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu")
+    distiller = Distiller(cfg.distill, student, target, objective, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu",
+                          eos=eos_ids_of(target_dir))
     result = distiller.train()
     distiller.save_draft(out / "draft")
     if state.is_main_process:

@@ -13,7 +13,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -49,12 +49,13 @@ def collate(rows: list[dict], max_seq_len: int, device: torch.device) -> Batch:
     attention_mask = np.zeros((len(rows), longest), dtype=np.int64)
     predict = np.zeros((len(rows), longest), dtype=bool)
     labels, topk_ids, topk_logprobs = [], [], []
+    cached = all("topk_ids" in row for row in rows)  # else (on-policy rows among them) the target runs online
     for i, (seq, (start, end)) in enumerate(zip(sequences, spans)):
         input_ids[i, : len(seq)] = seq
         attention_mask[i, : len(seq)] = 1
         predict[i, start:end] = True
         labels.extend(seq[start + 1:end + 1])
-        if "topk_ids" in rows[i]:
+        if cached:
             topk_ids.extend(rows[i]["topk_ids"][: end - start])
             topk_logprobs.extend(rows[i]["topk_logprobs"][: end - start])
     has_cache = bool(topk_ids)
@@ -82,6 +83,33 @@ def predicted_logits(model, batch: Batch) -> torch.Tensor:
     return logits[batch.predict[:, -keep:]]  # [N, V]
 
 
+@torch.no_grad()
+def sample_continuations(model, prompts: list[list[int]], lengths: list[int], eos: Collection[int], seed: int) -> list[list[int]]:
+    """The model's own continuations of `prompts` sampled at T = 1, each at most its length and ending
+    at its first EOS: DistillSpec's on-policy data, which the target then scores. Seeded, so a resumed
+    run samples what an uninterrupted one did."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):  # left-padded, as batched generation needs
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        mask[i, width - len(prompt):] = 1
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(lengths),
+                              pad_token_id=0, eos_token_id=sorted(eos) or None)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+    continuations = []
+    for row, length in zip(out[:, width:].tolist(), lengths):
+        row = row[:length]
+        ends = [i for i, token in enumerate(row) if token in eos]
+        continuations.append(row[: ends[0] + 1] if ends else row)
+    return continuations
+
+
 def position_loss(cfg: DistillConfig, student_logits: torch.Tensor, batch: Batch,
                   target_logits: torch.Tensor | None) -> torch.Tensor:
     """Per-position loss [N] of the configured kind, from the cache or from online target logits."""
@@ -104,7 +132,7 @@ class DraftObjective:
     def loss(self, student, target, batch: Batch) -> torch.Tensor:
         logits = predicted_logits(student, batch)  # [N, V]
         target_logits = None
-        if self.online:
+        if self.online or (batch.topk_ids is None and self.cfg.loss.value != "hard_label"):
             with torch.no_grad():
                 target_logits = predicted_logits(target, batch)
         return position_loss(self.cfg, logits, batch, target_logits).mean()
@@ -146,7 +174,7 @@ class Distiller:
 
     def __init__(self, cfg: DistillConfig, student: torch.nn.Module, target, objective, train_rows: list[dict],
                  eval_rows: list[dict], work_dir: Path, seed: int, cpu: bool = False,
-                 log: Callable[[int, dict[str, float]], None] = lambda step, m: None):
+                 log: Callable[[int, dict[str, float]], None] = lambda step, m: None, eos: Collection[int] = ()):
         from accelerate import Accelerator
 
         fits = lambda row: len(row["prompt_ids"]) < cfg.max_seq_len and row["response_ids"]  # something to learn
@@ -154,7 +182,7 @@ class Distiller:
         if not train_rows:
             raise ValueError(f"no training example has a response within distill.max_seq_len={cfg.max_seq_len} tokens")
         self.cfg, self.train_rows, self.eval_rows, self.work_dir, self.seed, self.log = cfg, train_rows, eval_rows, work_dir, seed, log
-        self.objective = objective
+        self.objective, self.eos = objective, frozenset(eos)
         cpu = cpu or not torch.cuda.is_available()
         self.accelerator = Accelerator(mixed_precision="no" if cpu else "bf16", cpu=cpu)
         self.device = self.accelerator.device
@@ -169,8 +197,22 @@ class Distiller:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps))
         self.draft, self.optimizer = self.accelerator.prepare(student, optimizer)
         self.scheduler = scheduler
-        if objective.online and self.target is None:
-            raise ValueError("no top-k logit cache: online distillation needs the target model")
+        if (objective.online or cfg.on_policy_fraction > 0) and self.target is None:
+            raise ValueError("online and on-policy distillation need the target model")
+
+    def _on_policy(self, rows: list[dict], step: int, micro: int) -> list[dict]:
+        """The first on_policy_fraction of a micro-batch's rows (already in a seeded random order) with
+        their responses replaced by the draft's own continuations, as long as the teacher's."""
+        n = round(len(rows) * self.cfg.on_policy_fraction)
+        if n == 0:
+            return rows
+        draft = self.accelerator.unwrap_model(self.draft)
+        draft.eval()
+        seed = hash((self.seed, step, micro, self.accelerator.process_index)) % 2**63
+        sampled = sample_continuations(draft, [r["prompt_ids"] for r in rows[:n]], [len(r["response_ids"]) for r in rows[:n]],
+                                       self.eos, seed)
+        draft.train()
+        return [{"prompt_ids": r["prompt_ids"], "response_ids": s} for r, s in zip(rows[:n], sampled)] + rows[n:]
 
     def _micro_batches(self, step: int) -> list[list[dict]]:
         """The rows of this process's micro-batches at optimizer step `step`."""
@@ -203,6 +245,8 @@ class Distiller:
         step = progress_state["step"] if progress_state else 0
         history: list[dict] = progress_state["history"] if progress_state else []
         tokens = progress_state["tokens"] if progress_state else 0
+        if progress_state and self.accelerator.is_main_process:
+            print(f"distill: resuming from the checkpoint at step {step} of {cfg.max_steps} in {self.work_dir}", flush=True)
         if not history:
             history.append({"step": 0, **self.evaluate()})
             self.log(0, history[-1])
@@ -217,8 +261,8 @@ class Distiller:
                 step_started = time.time()
                 step_loss = 0.0
                 micro = self._micro_batches(step)
-                for rows in micro:
-                    batch = collate(rows, cfg.max_seq_len, self.device)
+                for i, rows in enumerate(micro):
+                    batch = collate(self._on_policy(rows, step, i), cfg.max_seq_len, self.device)
                     with self.accelerator.autocast():
                         loss = self.objective.loss(self.draft, self.target, batch) / len(micro)
                     self.accelerator.backward(loss)

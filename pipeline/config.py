@@ -109,6 +109,7 @@ class DistillConfig:
     eval_every: int = MISSING
     max_seq_len: int = MISSING
     freeze_embeddings: bool = False  # keep the target's embedding table and LM head as they are
+    on_policy_fraction: float = 0.0  # DistillSpec: this share of each batch is the draft's own continuations
 
 
 @dataclass
@@ -212,6 +213,11 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
         _check(getattr(d, key) >= 1, f"distill.{key}", "1 or more", getattr(d, key))
     for key in ("max_new_tokens", "batch_size"):
         _check(getattr(d.teacher, key) >= 1, f"distill.teacher.{key}", "1 or more", getattr(d.teacher, key))
+    _check(0.0 <= d.on_policy_fraction <= 1.0, "distill.on_policy_fraction", "a fraction in [0, 1]", d.on_policy_fraction)
+    _check(d.on_policy_fraction == 0 or d.loss.value != "hard_label", "distill.on_policy_fraction",
+           "0 with distill.loss=hard_label (the draft's own samples carry no target labels)", d.on_policy_fraction)
+    _check(d.on_policy_fraction == 0 or typed.draft.kind.value == "standalone", "distill.on_policy_fraction",
+           "0 for draft=eagle3 (a head trains on its own predictions through draft.ttt_steps)", d.on_policy_fraction)
     _check(d.learning_rate > 0, "distill.learning_rate", "a positive number", d.learning_rate)
     _check(d.teacher.temperature >= 0, "distill.teacher.temperature", "0 (greedy) or more", d.teacher.temperature)
     _check(d.teacher.extra_samples >= 0, "distill.teacher.extra_samples", "0 or more", d.teacher.extra_samples)

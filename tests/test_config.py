@@ -47,10 +47,13 @@ def test_enum_values_are_refused_at_composition(override, message):
     ("data.eval_fraction=1.5", r"data.eval_fraction=1.5 is not allowed: a fraction in \(0, 1\)"),
     ("distill.max_steps=0", r"distill.max_steps=0 is not allowed: 1 or more"),
     ("serve.max_model_len=8", r"serve.max_model_len=8 is not allowed: 16 or more"),
+    ("distill.on_policy_fraction=1.5", r"distill.on_policy_fraction=1.5 is not allowed: a fraction in \[0, 1\]"),
+    ("distill.on_policy_fraction=0.5,distill.loss=hard_label", r"0 with distill.loss=hard_label"),
+    ("distill.on_policy_fraction=0.5,draft=eagle3", r"0 for draft=eagle3"),
 ])
 def test_bad_values_name_the_key_and_allowed_values(override, message):
     with pytest.raises(ConfigError, match=message):
-        validate(composed(override))
+        validate(composed(*override.split(",")))
 
 
 def test_wrong_type_is_refused():

@@ -1,8 +1,8 @@
 """data -> teacher -> distill on a tiny chat target: held-out split, logit cache, training that lowers
 the held-out TVD, a sweep sharing one teacher cache, and exact resume after SIGKILL."""
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +103,8 @@ def test_sigkill_then_rerun_resumes_and_ends_where_an_uninterrupted_run_ends(tin
     rows = datasets.load_from_disk(str(Path(record(killed, "teacher")["path"]) / "teacher")).to_list()
     assert all(len(r["topk_ids"]) == len(r["response_ids"]) and len(r["topk_ids"][0]) == 16 for r in rows)
     resumed = run(args_for(tiny_chat_target, killed, *settings), tmp_path)
+    resumed_at = re.search(r"distill: resuming from the checkpoint at step (\d+) of", resumed.stdout)
+    assert resumed_at and int(resumed_at.group(1)) >= state
     got = record(killed, "distill")["metrics"]
     assert got["train_loss_final"] == pytest.approx(expected["train_loss_final"], rel=1e-6)
     assert got["tvd_final"] == pytest.approx(expected["tvd_final"], rel=1e-6)

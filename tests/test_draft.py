@@ -8,7 +8,7 @@ import torch
 from draftsmith.distill.draft import DraftError, build_draft, build_from_target
 from draftsmith.distill.stage import with_lora
 from draftsmith.distill.tokenizer import TokenizerMismatch, check_same_tokenizer
-from draftsmith.distill.train import DraftObjective, Distiller
+from draftsmith.distill.train import DraftObjective, Distiller, collate
 from draftsmith.pipeline.config import DistillConfig, DistillLoss, DraftConfig, DraftInit, TeacherConfig
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_tiny_model
@@ -76,3 +76,61 @@ def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_p
         assert not [k for k in f.keys() if "lora" in k]  # adapters merged, a plain HF checkpoint
     before, after = load_model(draft_dir, torch.float32), load_model(tmp_path / "trained", torch.float32)
     assert not torch.equal(before.layers[0].attention.wqkv.weight, after.layers[0].attention.wqkv.weight)
+
+
+def test_on_policy_continuations_are_the_drafts_own_samples(tiny_models):
+    """DistillSpec's on-policy rows: first tokens follow the draft's distribution at T = 1 (chi-square),
+    continuations stop at EOS and at the teacher's length, and a seed repeats them exactly."""
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.train import sample_continuations
+
+    _, draft_dir = tiny_models["llama"]
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    prompt = [3, 14, 15, 92, 65]
+    with torch.no_grad():
+        probs = torch.softmax(draft(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    n = 3000
+    first = sample_continuations(draft, [prompt] * n, [1] * n, eos=(), seed=1)
+    counts = torch.bincount(torch.tensor([c[0] for c in first]), minlength=probs.numel()).double()
+    expected = probs * n
+    big = expected >= 5  # pool the rare tokens into one bin
+    observed = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    pooled = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    assert chisquare(observed.numpy(), pooled.numpy()).pvalue > 1e-3
+
+    prompts = [prompt, [7, 8], [9, 10, 11, 12]]
+    lengths = [6, 3, 9]
+    common = int(probs.argmax())
+    rows = sample_continuations(draft, prompts, lengths, eos={common}, seed=2)
+    assert rows == sample_continuations(draft, prompts, lengths, eos={common}, seed=2)
+    for row, length in zip(rows, lengths):
+        assert 1 <= len(row) <= length and common not in row[:-1]  # cut at its first EOS, which it keeps
+        assert len(row) == length or row[-1] == common
+
+
+def test_on_policy_training_scores_the_drafts_samples_with_the_target(tiny_models, tmp_path):
+    """on_policy_fraction=1: every training row is the draft's continuation, so the top-k cache cannot
+    cover it and the target runs online; the divergence on the draft's own samples falls."""
+    from transformers import AutoModelForCausalLM
+
+    target_dir, draft_dir = tiny_models["llama"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt_ids": torch.randint(3, 97, (6,), generator=g).tolist(), "response_ids": torch.randint(3, 97, (8,), generator=g).tolist(),
+             "topk_ids": [[0]] * 8, "topk_logprobs": [[0.0]] * 8} for _ in range(24)]  # a cache on-policy rows cannot use
+    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
+                                              top_k_logits=1, batch_size=8),
+                        loss=DistillLoss.forward_kl, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
+                        max_steps=30, batch_size=8, grad_accum_steps=1, max_grad_norm=1.0, eval_every=30, max_seq_len=32,
+                        on_policy_fraction=1.0)
+    held_out = [{k: r[k] for k in ("prompt_ids", "response_ids")} for r in rows[:8]]
+    losses = []  # each step's loss on fresh samples of the draft, scored by the target
+    distiller = Distiller(cfg, draft, target, DraftObjective(cfg, online=False), rows[8:], held_out, tmp_path / "work", seed=0,
+                          cpu=True, log=lambda step, m: losses.append(m["train_loss"]) if "lr" in m else None)
+    on_policy = distiller._on_policy(distiller._micro_batches(0)[0], step=0, micro=0)
+    assert all("topk_ids" not in r for r in on_policy) and collate(on_policy, 32, torch.device("cpu")).topk_ids is None
+    distiller.train()
+    assert sum(losses[-5:]) < 0.85 * sum(losses[:5]), losses
