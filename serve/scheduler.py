@@ -21,6 +21,7 @@ import torch
 from draftsmith.evaluate.cost import expected_tokens
 from draftsmith.serve.engine import Completion, Engine, EngineError
 from draftsmith.serve.sampling import RowSampling, SamplingParams
+from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import StopChecker
 
@@ -183,31 +184,42 @@ class Scheduler:
         return self._sampling[1]
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free rows (lowest first) until the batch is full."""
-        while True:
-            with self.wake:
-                free = [i for i, r in enumerate(self.rows) if r is None]
-                if not self.waiting or not free:
-                    return
+        """Prefill waiting requests into free rows (lowest first), all of them in one forward, until the
+        batch is full. A batch that fails is retried a request at a time: only a bad request fails."""
+        with self.wake:
+            free = [i for i, r in enumerate(self.rows) if r is None]
+            joining: list[Request] = []
+            while self.waiting and len(joining) < len(free):
                 request = self.waiting.popleft()
-            if request.cancelled.is_set():
-                continue
-            row = free[0]
-            try:
-                stop = StopChecker(request.params, self.engine.eos_token_ids, self.engine.detokenize)
-                sampling = RowSampling.of([request.params], self.engine.device)
-                cache_row = torch.tensor([row], device=self.engine.device)
-                state, _ = self.engine.prefill([request.prompt], sampling, self.generator, cache_rows=cache_row)
-            except Exception as e:  # noqa: BLE001 - the request fails, the batch goes on
-                request.on_done(e)
-                continue
-            first = state.pending.tolist()
-            if stop.append(first):
-                request.on_tokens(first)
-            self.state.set_row(row, state)
-            self.rows[row] = Running(request, stop, self.prior_alpha)
-            if stop.finish_reason is not None:
-                self._finish(row)
+                if not request.cancelled.is_set():
+                    joining.append(request)
+        if not joining:
+            return
+        try:
+            prefilled = [self._prefill(joining, free[:len(joining)])]
+        except Exception:  # noqa: BLE001 - find the request at fault
+            prefilled = []
+            for request, row in zip(joining, free):
+                try:
+                    prefilled.append(self._prefill([request], [row]))
+                except Exception as e:  # noqa: BLE001 - the request fails, the batch goes on
+                    request.on_done(e)
+        for requests, rows, stops, state in prefilled:
+            firsts = state.pending.tolist()
+            for i, (request, row, stop) in enumerate(zip(requests, rows, stops)):
+                if stop.append([firsts[i]]):
+                    request.on_tokens([firsts[i]])
+                self.state.set_row(row, state, source=i)
+                self.rows[row] = Running(request, stop, self.prior_alpha)
+                if stop.finish_reason is not None:
+                    self._finish(row)
+
+    def _prefill(self, requests: list[Request], rows: list[int]) -> tuple[list[Request], list[int], list[StopChecker], DecodeState]:
+        stops = [StopChecker(r.params, self.engine.eos_token_ids, self.engine.detokenize) for r in requests]
+        sampling = RowSampling.of([r.params for r in requests], self.engine.device)
+        cache_rows = torch.tensor(rows, device=self.engine.device)
+        state, _ = self.engine.prefill([r.prompt for r in requests], sampling, self.generator, cache_rows=cache_rows)
+        return requests, rows, stops, state
 
     def _retire_cancelled(self) -> None:
         for i, r in enumerate(self.rows):

@@ -122,3 +122,36 @@ def test_a_cancelled_request_frees_its_row_and_too_long_requests_are_refused(tin
     assert scheduler.num_running == 0 and done == []
     with pytest.raises(EngineError, match="exceed max_seq_len"):
         scheduler.submit(Request([1] * 30, SamplingParams(max_new_tokens=40)))
+
+
+def test_requests_join_in_one_prefill_and_a_bad_one_fails_alone(tiny_models):
+    target_dir, draft_dir = tiny_models["llama"]
+    prompts = random_prompts(3, 97, seed=11)
+    alone = engine_of(target_dir, draft_dir, 1)
+    expected = [alone.generate([p], SamplingParams(max_new_tokens=6)).completions[0].tokens for p in prompts]
+    engine = engine_of(target_dir, draft_dir, 4)
+    forwards = []
+    real_prefill = engine.prefill
+    engine.prefill = lambda prompts, *a, **kw: forwards.append(len(prompts)) or real_prefill(prompts, *a, **kw)
+    scheduler = Scheduler(engine, num_speculative_tokens=2, adaptive=False)
+    completions, _ = collect(scheduler, prompts, SamplingParams(max_new_tokens=6))
+    assert forwards == [3] and [c.tokens for c in completions] == expected  # three requests, one forward
+
+    forwards.clear()
+    results = {}
+    doomed = prompts[1]  # a forward with this prompt in it fails, as one too big for the device would
+
+    def failing(prompts, *a, **kw):
+        forwards.append(len(prompts))
+        if doomed in prompts:
+            raise torch.OutOfMemoryError("injected")
+        return real_prefill(prompts, *a, **kw)
+
+    engine.prefill = failing
+    for i, p in enumerate(prompts):
+        scheduler.submit(Request(list(p), SamplingParams(max_new_tokens=6), on_done=lambda r, i=i: results.__setitem__(i, r)))
+    while scheduler.num_running or scheduler.num_waiting:
+        scheduler.step()
+    assert forwards == [3, 1, 1, 1]  # the batch failed, so each went alone
+    assert isinstance(results[1], torch.OutOfMemoryError)
+    assert results[0].tokens == expected[0] and results[2].tokens == expected[2]
