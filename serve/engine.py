@@ -20,7 +20,7 @@ from draftsmith.serve.graphs import GraphedForward, GraphedSteps
 from draftsmith.serve.model import Transformer
 from draftsmith.serve.proposers import DraftModel, EagleProposer, Proposer
 from draftsmith.serve.rejection import Verifier, rejection_sample
-from draftsmith.serve.sampling import RowSampling, SamplingParams, probabilities, sample
+from draftsmith.serve.sampling import Random, RowSampling, SamplingParams, probabilities, sample
 from draftsmith.serve.speculative import DecodeState, StepOutput, decode_step
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import Detokenize, StopChecker
@@ -260,7 +260,7 @@ class Engine:
                                   for p, s, lp in zip(prompts, stops, logprobs)]
         return generation
 
-    def step(self, state: DecodeState, active: Tensor, k: int, rows: RowSampling, generator: torch.Generator | None,
+    def step(self, state: DecodeState, active: Tensor, k: int, rows: RowSampling, generator: Random,
              proposer: Proposer | None, histories: Sequence[Sequence[int]] = ()) -> StepOutput:
         """One decoding step (K = 0: plain); the `active` rows of `state` advance in place. The output's
         tensors hold until the next step."""

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from draftsmith.serve.eagle import EagleHead
 from draftsmith.serve.model import Transformer
-from draftsmith.serve.sampling import RowSampling, probabilities, sample
+from draftsmith.serve.sampling import Random, RowSampling, probabilities, sample
 from draftsmith.serve.speculative import DecodeState, Forward, StepOutput
 
 
@@ -35,7 +35,7 @@ def read_vocab(directory: Path) -> list[int] | None:
 class Proposer(Protocol):
     reads_history: bool  # whether propose() needs each row's tokens so far
 
-    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: torch.Generator | None,
+    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
                 histories: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor | None]: ...
 
     def prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, first: Tensor, target_hidden: Tensor | None,
@@ -56,7 +56,7 @@ def full_vocab_logits(logits: Tensor, vocab: Tensor | None, vocab_size: int) -> 
 
 
 def draw(logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSampling,
-         generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+         generator: Random) -> tuple[Tensor, Tensor | None]:
     """One proposal per row from logits [B, 1, V'] over `vocab`: the tokens [B, 1] as target ids, and
     the distributions [B, 1, V] they were drawn from (None if greedy)."""
     if rows.all_greedy:
@@ -72,7 +72,7 @@ class DraftModel:
     def __init__(self, model: Transformer, forward: Forward, vocab_size: int):
         self.model, self.forward, self.vocab_size = model, forward, vocab_size  # forward: model's, maybe graphed
 
-    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: torch.Generator | None,
+    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
                 histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
         positions = state.lengths.unsqueeze(1)  # [B, 1]
         # the draft re-reads `previous` with `pending`, so its cache is whole after any rejection
@@ -103,7 +103,7 @@ class EagleProposer:
     def __init__(self, head: EagleHead, embeddings: torch.nn.Embedding, fused: bool = False):
         self.head, self.embeddings, self.fused = head, embeddings, fused
 
-    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: torch.Generator | None,
+    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
                 histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
         hidden = state.draft_hidden.unsqueeze(1)  # [B, 1, hidden]: the entry of position lengths - 1
         tokens, probs = [], []
@@ -150,7 +150,7 @@ class PromptLookup:
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
 
-    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: torch.Generator | None,
+    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
                 histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
         device = state.lengths.device
         tokens = torch.tensor([lookup(h, k, self.max_ngram, self.min_ngram) for h in histories], device=device)  # [B, K]

@@ -11,29 +11,29 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from draftsmith.serve.sampling import sample
+from draftsmith.serve.sampling import Random, sample, uniform
 
 
 class Verifier(Protocol):
     def __call__(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                 generator: torch.Generator | None) -> tuple[Tensor, Tensor]: ...
+                 generator: Random) -> tuple[Tensor, Tensor]: ...
 
 
 def rejection_sample(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                     generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+                     generator: Random) -> tuple[Tensor, Tensor]:
     """Returns (num_accepted [B], tokens [B, K+1]): tokens[:, :n] are accepted drafts, tokens[:, n] the
     corrected or bonus token; what follows is undefined."""
     B, K = draft_tokens.shape
     p = target_probs[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, K]
     q = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, K]
-    u = torch.rand(B, K, device=p.device, generator=generator)
+    u = uniform((B, K), p.device, generator)
     accepted = (u * q < p).int()  # u < p/q without dividing; q > 0 for drawn tokens
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [B]
     return num_accepted, append_correction(num_accepted, draft_tokens, draft_probs, target_probs, generator)
 
 
 def append_correction(num_accepted: Tensor, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                      generator: torch.Generator | None) -> Tensor:
+                      generator: Random) -> Tensor:
     """The step's tokens [B, K+1]: accepted drafts, then a draw from normalise(max(p_n - q_n, 0)) at the
     first rejection n, or from p_{K+1} (the bonus) when all K were accepted."""
     B = draft_tokens.shape[0]

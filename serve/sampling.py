@@ -6,6 +6,7 @@ special case: a greedy draft token is accepted exactly when it equals the target
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -85,7 +86,33 @@ def probabilities(logits: Tensor, rows: RowSampling) -> Tensor:
     return torch.where(rows.greedy.view(-1, 1, 1), greedy, probs)
 
 
-def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per distribution (exponential race, exact): [..., V] -> [...]."""
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)  # no 0/0
+@dataclass
+class RowGenerators:
+    """The batch's generator and, for each row whose request gave a seed, that request's own: a seeded
+    request draws the same numbers whatever rows share its steps (at the same K). Every draw is still
+    uniform, so sampling stays exact."""
+    shared: torch.Generator | None
+    rows: dict[int, torch.Generator]
+
+
+Random = torch.Generator | RowGenerators | None
+
+
+def _draw(out: Tensor, fill: Callable[[Tensor, torch.Generator | None], Tensor], generator: Random) -> Tensor:
+    """`out` [B, ...] filled by `fill`, each seeded row from its own generator."""
+    if not isinstance(generator, RowGenerators):
+        return fill(out, generator)
+    fill(out, generator.shared)
+    for row, own in generator.rows.items():
+        fill(out[row], own)
+    return out
+
+
+def uniform(shape: tuple[int, ...], device: torch.device, generator: Random) -> Tensor:
+    return _draw(torch.empty(shape, device=device), lambda t, g: t.uniform_(generator=g), generator)
+
+
+def sample(probs: Tensor, generator: Random) -> Tensor:
+    """One token per distribution (exponential race, exact): [B, ..., V] -> [B, ...]."""
+    noise = _draw(torch.empty_like(probs), lambda t, g: t.exponential_(generator=g), generator).clamp_min_(1e-30)  # no 0/0
     return (probs / noise).argmax(-1)

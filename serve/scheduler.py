@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 
 from draftsmith.evaluate.cost import expected_tokens
-from draftsmith.serve.engine import Completion, Engine, EngineError
-from draftsmith.serve.sampling import RowSampling, SamplingParams
+from draftsmith.serve.engine import Completion, Engine, EngineError, Logprobs
+from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import StopChecker
@@ -46,6 +46,8 @@ class Running:
     request: Request
     stop: StopChecker
     alpha: float  # moving average of the fraction of its drafts the target accepted
+    generator: torch.Generator | None = None  # the request's own, when it gave a seed
+    logprobs: Logprobs | None = None  # the target's log-probabilities of its tokens, when asked for
 
 
 @dataclass
@@ -152,10 +154,11 @@ class Scheduler:
         state = self.state.rows(n)  # views: they advance in place
         active_rows = [r is not None for r in running]
         active = torch.tensor(active_rows, device=self.engine.device)
-        out = self.engine.step(state, active, k, rows, self.generator, self.engine.draft_proposer)
+        out = self.engine.step(state, active, k, rows, self._random(running), self.engine.draft_proposer)
         stops = [r.stop if r is not None else None for r in running]
         deliver = lambda i, tokens: running[i].request.on_tokens(tokens)
-        accepted = self.engine.emit(out, active_rows, stops, [None] * n, SpecStats(), k, deliver)
+        logprobs = [r.logprobs if r is not None else None for r in running]
+        accepted = self.engine.emit(out, active_rows, stops, logprobs, SpecStats(), k, deliver)
         if k > 0:
             self.plain_steps = 0
             for r, a in zip(running, accepted):
@@ -176,6 +179,10 @@ class Scheduler:
         if k == 0 and self.plain_steps + 1 >= PROBE_EVERY:
             return 1  # a probe: one draft token, to refresh the acceptance averages
         return k
+
+    def _random(self, running: list[Running | None]) -> Random:
+        own = {i: r.generator for i, r in enumerate(running) if r is not None and r.generator is not None}
+        return RowGenerators(self.generator, own) if own else self.generator
 
     def _row_sampling(self, running: list[Running | None]) -> RowSampling:
         params = tuple(r.request.params if r is not None else IDLE for r in running)
@@ -204,22 +211,31 @@ class Scheduler:
                     prefilled.append(self._prefill([request], [row]))
                 except Exception as e:  # noqa: BLE001 - the request fails, the batch goes on
                     request.on_done(e)
-        for requests, rows, stops, state in prefilled:
+        for requests, rows, stops, generators, (state, last) in prefilled:
             firsts = state.pending.tolist()
             for i, (request, row, stop) in enumerate(zip(requests, rows, stops)):
+                logprobs = Logprobs(request.params.top_logprobs) if request.params.logprobs else None
                 if stop.append([firsts[i]]):
+                    if logprobs is not None:
+                        logprobs.add(last[i:i + 1].float().log_softmax(-1), [firsts[i]])
                     request.on_tokens([firsts[i]])
                 self.state.set_row(row, state, source=i)
-                self.rows[row] = Running(request, stop, self.prior_alpha)
+                self.rows[row] = Running(request, stop, self.prior_alpha, generators.get(i), logprobs)
                 if stop.finish_reason is not None:
                     self._finish(row)
 
-    def _prefill(self, requests: list[Request], rows: list[int]) -> tuple[list[Request], list[int], list[StopChecker], DecodeState]:
+    def _prefill(self, requests: list[Request], rows: list[int]
+                 ) -> tuple[list[Request], list[int], list[StopChecker], dict[int, torch.Generator], tuple[DecodeState, torch.Tensor]]:
+        """The requests prefilled into `rows`, with their stop checkers, their own generators (by index),
+        and the state with the target's last logits."""
         stops = [StopChecker(r.params, self.engine.eos_token_ids, self.engine.detokenize) for r in requests]
         sampling = RowSampling.of([r.params for r in requests], self.engine.device)
+        own = {i: torch.Generator(self.engine.device).manual_seed(r.params.seed) for i, r in enumerate(requests)
+               if r.params.seed is not None}
         cache_rows = torch.tensor(rows, device=self.engine.device)
-        state, _ = self.engine.prefill([r.prompt for r in requests], sampling, self.generator, cache_rows=cache_rows)
-        return requests, rows, stops, state
+        prefilled = self.engine.prefill([r.prompt for r in requests], sampling, RowGenerators(self.generator, own) if own else self.generator,
+                                        cache_rows=cache_rows)
+        return requests, rows, stops, own, prefilled
 
     def _retire_cancelled(self) -> None:
         for i, r in enumerate(self.rows):
@@ -229,4 +245,6 @@ class Scheduler:
     def _finish(self, row: int) -> None:
         r = self.rows[row]
         self.rows[row] = None
-        r.request.on_done(Completion(r.request.prompt, r.stop.tokens, r.stop.finish_reason or "length", r.stop.text))
+        if self.num_running == 0:
+            self.plain_steps = 0  # a request that comes alone next sees the K choices any lone request does
+        r.request.on_done(Completion(r.request.prompt, r.stop.tokens, r.stop.finish_reason or "length", r.stop.text, r.logprobs))

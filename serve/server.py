@@ -13,6 +13,7 @@ import json
 import threading
 import time
 import uuid
+from dataclasses import replace
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator, Literal
@@ -22,12 +23,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator
 
-from draftsmith.serve.engine import Completion, Engine, EngineError
+from draftsmith.serve.engine import Completion, Engine, EngineError, Logprobs
 from draftsmith.serve.sampling import SamplingError, SamplingParams
 from draftsmith.serve.scheduler import Request as EngineRequest, Scheduler
 from draftsmith.serve.stats import SpecStats
 
 PREFIX = "draftsmith:"
+MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_N = 64  # choices per request: each is a row of the running batch
 DISCONNECT_CHECK_S = 0.25  # how often a waiting non-streaming request looks for its client
 
 
@@ -74,7 +77,8 @@ class Sampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None  # accepted, not honoured per request: a continuous batch shares one RNG
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 turn it off
+    seed: int | None = None  # the request's own generator: the same seed, the same text (at the same K)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None  # include_usage: a last chunk with the token counts
@@ -89,17 +93,34 @@ class Sampling(BaseModel):
     def max_new_tokens(self, room: int) -> int:
         return self.max_completion_tokens or self.max_tokens or room
 
+    def wanted_logprobs(self) -> tuple[bool, int]:
+        """(log-probabilities wanted, how many alternatives per token): chat's logprobs / top_logprobs."""
+        return bool(self.logprobs), self.top_logprobs or 0
+
     def params(self, max_new_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, top = self.wanted_logprobs()
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, max_new_tokens=max_new_tokens, stop=tuple(stop))
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
+                              seed=self.seed, max_new_tokens=max_new_tokens, stop=tuple(stop), logprobs=logprobs,
+                              top_logprobs=top)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for a request this server would otherwise answer differently than asked."""
-        if (self.n or 1) > 1 or (self.best_of or 1) > 1:
-            return ("n" if (self.n or 1) > 1 else "best_of"), "one completion per request is supported (n = 1)"
-        if self.logprobs or self.top_logprobs:
-            return "logprobs" if self.logprobs else "top_logprobs", "log-probabilities are not returned by this server"
+        n = self.n or 1
+        if n > MAX_N:
+            return "n", f"at most {MAX_N} choices per request"
+        if n > 1 and self.stream:
+            return "n", "several choices are returned without streaming only (not yet in streamed chunks)"
+        if (self.best_of or n) != n:
+            return "best_of", "best_of other than n is not supported (choices are not ranked)"
+        logprobs, top = self.wanted_logprobs()
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            return "top_logprobs" if self.top_logprobs else "logprobs", f"at most {MAX_TOP_LOGPROBS} alternatives per token"
+        if top and not logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        if logprobs and self.stream:
+            return "logprobs", "log-probabilities are returned without streaming only (not yet in streamed chunks)"
         if self.echo:
             return "echo", "echo is not supported"
         if self.tools:
@@ -111,6 +132,12 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+
+    def wanted_logprobs(self) -> tuple[bool, int]:
+        """The completions API's logprobs: the number of alternatives per token (0: the chosen token's only)."""
+        if self.logprobs is None or self.logprobs is False:
+            return False, 0
+        return True, 0 if self.logprobs is True else int(self.logprobs)
 
     @field_validator("prompt")
     @classmethod
@@ -142,6 +169,23 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+
+
+def token_logprobs(tokenizer, tokens: list[int], logprobs: Logprobs, chat: bool) -> dict:
+    """The target's log-probabilities of a completion's tokens in OpenAI's shape: chat's `content` list,
+    or the completions API's parallel lists."""
+    piece = lambda token: tokenizer.decode([token])
+    if chat:
+        entry = lambda text, value: {"token": text, "logprob": value, "bytes": list(text.encode())}
+        content = []
+        for i, (token, value) in enumerate(zip(tokens, logprobs.tokens)):
+            top = zip(*logprobs.top_tokens[i]) if logprobs.top else ()
+            content.append({**entry(piece(token), value), "top_logprobs": [entry(piece(t), v) for t, v in top]})
+        return {"content": content}
+    texts = [piece(token) for token in tokens]
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    top = [{piece(t): v for t, v in zip(*logprobs.top_tokens[i])} for i in range(len(texts))] if logprobs.top else None
+    return {"tokens": texts, "token_logprobs": logprobs.tokens, "top_logprobs": top, "text_offset": offsets}
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -381,42 +425,59 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         started = time.perf_counter()
+        # n choices are n rows of the batch; with a seed, choice i samples with seed + i
+        choices = [params if params.seed is None or i == 0 else replace(params, seed=params.seed + i) for i in range(request.n or 1)]
+        submitted = []
         try:
-            engine_request, updates = server.submit(ids, params)
+            for choice_params in choices:
+                submitted.append(server.submit(ids, choice_params))
         except EngineError as e:
+            for engine_request, _ in submitted:
+                engine_request.cancelled.set()
             return error(400, str(e))
         if request.stream:
             usage = request.stream_options is not None and request.stream_options.include_usage
-            return StreamingResponse(stream(engine_request, updates, rid, created, kind, chat, started, usage),
+            return StreamingResponse(stream(*submitted[0], rid, created, kind, chat, started, usage),
                                      media_type="text/event-stream")
-        first_at, checked = None, started
         try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_CHECK_S)
-                except asyncio.TimeoutError:
-                    item = None
-                if time.perf_counter() - checked >= DISCONNECT_CHECK_S:
-                    checked = time.perf_counter()
-                    if await http.is_disconnected():  # the client went away: free its row now
-                        return error(499, "the client closed the connection")
-                if isinstance(item, tuple):
-                    break
-                if item and first_at is None:
-                    first_at = time.perf_counter()
-                    server.metrics.ttft.observe(first_at - started)
+            results = [await finished(*one, http, started) for one in submitted]
         finally:
-            engine_request.cancelled.set()  # no-op once done; frees the row if this handler was cancelled
-        result = item[1]
-        if isinstance(result, BaseException):
-            return error(500, f"generation failed: {result}")
-        observe(result, started, first_at)
-        text = server.text_of(result)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text})
-        usage = {"prompt_tokens": len(ids), "completion_tokens": len(result.tokens),
-                 "total_tokens": len(ids) + len(result.tokens)}
-        return {"id": rid, "object": kind, "created": created, "model": server.model_name,
-                "choices": [{**choice, "finish_reason": result.finish_reason, "logprobs": None}], "usage": usage}
+            for engine_request, _ in submitted:
+                engine_request.cancelled.set()  # no-op once done; frees the rows if this handler was cancelled
+        if any(result is None for result in results):
+            return error(499, "the client closed the connection")
+        if failed := next((r for r in results if isinstance(r, BaseException)), None):
+            return error(500, f"generation failed: {failed}")
+        body = []
+        for i, result in enumerate(results):
+            text = server.text_of(result)
+            body.append({"index": i, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
+                         "finish_reason": result.finish_reason,
+                         "logprobs": token_logprobs(server.tokenizer, result.tokens, result.logprobs, chat) if result.logprobs else None})
+        completion_tokens = sum(len(r.tokens) for r in results)
+        usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens, "total_tokens": len(ids) + completion_tokens}
+        return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": body, "usage": usage}
+
+    async def finished(engine_request: EngineRequest, updates: asyncio.Queue, http: Request, started: float):
+        """The request's Completion (or exception) once done; None if the client went away first."""
+        first_at, checked = None, started
+        while True:
+            try:
+                item = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_CHECK_S)
+            except asyncio.TimeoutError:
+                item = None
+            if time.perf_counter() - checked >= DISCONNECT_CHECK_S:
+                checked = time.perf_counter()
+                if await http.is_disconnected():  # the client went away: free its rows now
+                    return None
+            if isinstance(item, tuple):
+                break
+            if item and first_at is None:
+                first_at = time.perf_counter()
+                server.metrics.ttft.observe(first_at - started)
+        if not isinstance(item[1], BaseException):
+            observe(item[1], started, first_at)
+        return item[1]
 
     def observe(completion: Completion, started: float, first_at: float | None) -> None:
         now = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.serve.rejection import Verifier, rejection_sample
-from draftsmith.serve.sampling import RowSampling, probabilities, sample
+from draftsmith.serve.sampling import Random, RowSampling, probabilities, sample
 
 if TYPE_CHECKING:
     from draftsmith.serve.proposers import Proposer
@@ -82,7 +82,7 @@ class StepOutput:
 
 
 def speculative_step(target: TargetForward, proposer: "Proposer", state: DecodeState, k: int, rows: RowSampling,
-                     generator: torch.Generator | None, verify: Verifier = rejection_sample,
+                     generator: Random, verify: Verifier = rejection_sample,
                      histories: Sequence[Sequence[int]] = ()) -> StepOutput:
     """Propose K tokens, score K+1 positions in one target forward, keep what the verifier accepts.
     `proposer` is a serve.proposers.Proposer; `histories` each row's tokens so far (prompt lookup reads them)."""
@@ -98,7 +98,7 @@ def speculative_step(target: TargetForward, proposer: "Proposer", state: DecodeS
     return StepOutput(num_accepted, tokens, target_logits, hidden)
 
 
-def plain_step(target: TargetForward, state: DecodeState, rows: RowSampling, generator: torch.Generator | None) -> StepOutput:
+def plain_step(target: TargetForward, state: DecodeState, rows: RowSampling, generator: Random) -> StepOutput:
     target_logits, hidden = target(state.pending.unsqueeze(1), state.lengths.unsqueeze(1))  # [B, 1, V]
     if rows.all_greedy:  # the one-hot distribution's sample is the argmax: skip building it
         tokens = target_logits.argmax(-1)  # [B, 1]
@@ -108,7 +108,7 @@ def plain_step(target: TargetForward, state: DecodeState, rows: RowSampling, gen
 
 
 def decode_step(target: TargetForward, proposer: "Proposer | None", state: DecodeState, active: Tensor, k: int,
-                rows: RowSampling, generator: torch.Generator | None, verify: Verifier = rejection_sample,
+                rows: RowSampling, generator: Random, verify: Verifier = rejection_sample,
                 histories: Sequence[Sequence[int]] = ()) -> StepOutput:
     """One step, speculative (K > 0) or plain, then the `active` rows of `state` advance past what it kept."""
     if k > 0:

@@ -101,7 +101,9 @@ def test_sampling_under_continuous_batching_follows_the_target(small_vocab_model
     joint = exact_joint(target_dir, 1.0, 1.0)
     scheduler = Scheduler(engine_of(target_dir, draft_dir, 32, max_seq_len=12), num_speculative_tokens=2, adaptive=False, seed=7)
     samples = 6000
-    completions, _ = collect(scheduler, [PROMPT] * samples, SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True), join_every=1)
+    # every other request with a seed of its own: those rows draw from their own generators
+    params = [SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True, seed=1000 + i if i % 2 else None) for i in range(samples)]
+    completions, _ = collect(scheduler, [PROMPT] * samples, params, join_every=1)
     tokens = np.array([c.tokens for c in completions])
     assert tokens.shape == (samples, 3)
     assert chi_square_p(tokens[:, 0] * VOCAB + tokens[:, 1], joint.sum(2)) > 1e-3
@@ -155,3 +157,22 @@ def test_requests_join_in_one_prefill_and_a_bad_one_fails_alone(tiny_models):
     assert forwards == [3, 1, 1, 1]  # the batch failed, so each went alone
     assert isinstance(results[1], torch.OutOfMemoryError)
     assert results[0].tokens == expected[0] and results[2].tokens == expected[2]
+
+
+def test_a_seeded_request_gets_the_same_tokens_alone_or_joining_a_busy_batch(tiny_models):
+    """At a fixed K a seeded request draws from its own generator only, so its neighbours and the step it
+    joins at do not change its tokens."""
+    target_dir, draft_dir = tiny_models["mistral"]
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=10, seed=5, ignore_eos=True)
+    others = SamplingParams(temperature=0.8, max_new_tokens=14, ignore_eos=True)
+    prompts = random_prompts(5, 97, seed=3)
+    alone, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False, seed=1),
+                       [prompts[0]], seeded)
+    for join_every in (0, 2):
+        crowd, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False, seed=2),
+                           prompts[1:3] + [prompts[0]] + prompts[3:], [others, others, seeded, others, others], join_every)
+        assert crowd[2].tokens == alone[0].tokens
+        assert crowd[0].tokens != crowd[1].tokens or prompts[1] != prompts[2]
+    other_seed, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False),
+                            [prompts[0]], SamplingParams(temperature=1.0, max_new_tokens=10, seed=6, ignore_eos=True))
+    assert other_seed[0].tokens != alone[0].tokens

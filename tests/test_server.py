@@ -184,15 +184,62 @@ def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
     with pytest.raises(openai_errors.NotFoundError) as missing:
         openai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
-    for extra, param in ((dict(n=2), "n"), (dict(logprobs=True), "logprobs"), (dict(tools=[{"type": "function",
+    two = lambda: openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, n=2,
+                                                 temperature=1.0, seed=4, logprobs=True)
+    first = two()
+    assert [c.index for c in first.choices] == [0, 1] and first.choices[0].message.content != first.choices[1].message.content
+    assert first.usage.completion_tokens == sum(len(c.logprobs.content) for c in first.choices)  # every choice counted
+    assert [c.message.content for c in two().choices] == [c.message.content for c in first.choices]  # seed, seed + 1
+    for extra, param in ((dict(n=2, stream=True), "n"), (dict(logprobs=True, stream=True), "logprobs"), (dict(top_logprobs=2), "top_logprobs"),
+                         (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(tools=[{"type": "function",
                          "function": {"name": "f", "parameters": {}}}]), "tools")):
         with pytest.raises(openai_errors.BadRequestError) as refused:
             openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, **extra)
         assert refused.value.body["param"] == param
+    best_of = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                         json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "n": 2, "best_of": 3}).json()
+    assert best_of["error"]["param"] == "best_of"
     assert httpx.get(f"{base_url}/v1/models/tiny", headers={"Authorization": f"Bearer {API_KEY}"}).json()["id"] == "tiny"
     # no max_tokens: the rest of the context
     rest = openai.completions.create(model="tiny", prompt="Card declined", temperature=0)
     assert rest.usage.completion_tokens > 16 or rest.choices[0].finish_reason == "stop"
+
+
+def test_a_seed_repeats_the_text_and_top_k_1_is_greedy(base_url):
+    openai = client(base_url)
+    ask = lambda seed, max_tokens=24, **kw: openai.completions.create(model="tiny", prompt="Balance inquiry:", temperature=1.0,
+                                                                      max_tokens=max_tokens, seed=seed, **kw).choices[0].text
+    first = ask(11)
+    assert ask(11) == first and ask(12) != first
+
+    greedy = openai.completions.create(model="tiny", prompt="Balance inquiry:", max_tokens=12, temperature=0).choices[0].text
+    assert ask(None, max_tokens=12, extra_body={"top_k": 1}) == greedy  # vLLM's extension, as its clients send it
+
+
+def test_logprobs_are_the_targets_own(base_url, tiny_chat_target):
+    """Greedy, so every chosen token is its position's most likely one; the values are the target's own
+    log-softmax at each position (checked against a plain forward over prompt + completion)."""
+    from transformers import AutoModelForCausalLM
+
+    openai = client(base_url)
+    chat = openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Card declined?"}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    ids = [1, 5, 9, 14]
+    done = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 0}).json()
+    got = done["choices"][0]["logprobs"]
+    assert got["top_logprobs"] is None and len(got["tokens"]) == len(got["token_logprobs"]) == done["usage"]["completion_tokens"]
+    target = AutoModelForCausalLM.from_pretrained(tiny_chat_target, dtype=torch.float32)
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        greedy = target.generate(tokens, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = [step[0].log_softmax(-1).max().item() for step in greedy.logits][: len(got["token_logprobs"])]
+    assert got["token_logprobs"] == pytest.approx(expected, abs=1e-3)
 
 
 STOPS = [None, " ", ".", ["e", ","], "the card"]
