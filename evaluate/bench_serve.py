@@ -5,6 +5,11 @@ cycling through the prompts, for `duration` seconds; a request still running at 
 for and counted. Reported per level: requests, errors, output tokens/s over the level's wall time,
 and time to first token and time per output token (p50, p99). Output tokens come from the final
 usage chunk (`stream_options.include_usage`), which both servers send.
+
+`compare_engine` serves a bundle from this process, loads it at each level, then drives the same
+server's scheduler directly (no HTTP, no tokenization per request, same prompts, max_tokens and greedy
+settings) with the same number of requests always in flight: each level gains the engine's tokens/s
+and the server's share of it.
 """
 from __future__ import annotations
 
@@ -98,3 +103,70 @@ def bench_serve(url: str, prompts: Sequence[list[dict]], concurrencies: Sequence
     url = url.rstrip("/")
     model = model or model_of(url, api_key)
     return [asyncio.run(run_level(url, model, prompts, c, max_tokens, duration, api_key)) for c in concurrencies]
+
+
+def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_tokens: int, duration: float) -> dict:
+    """The scheduler of `server` (not started) with `concurrency` requests always in flight, cycling
+    through the prompts for `duration` seconds; requests still running at the end are waited for."""
+    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.scheduler import Request
+
+    chats = [server.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in prompts]
+    ids = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
+    done: list = []
+    started = time.perf_counter()
+    deadline = started + duration
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        server.scheduler.submit(Request(ids[submitted % len(ids)], params, on_done=on_done))
+        submitted += 1
+
+    def on_done(result) -> None:
+        done.append(result)
+        if time.perf_counter() < deadline:
+            submit()
+
+    for _ in range(concurrency):
+        submit()
+    server.scheduler.drain()
+    wall = time.perf_counter() - started
+    tokens = sum(len(r.tokens) for r in done)
+    return {"engine_requests": len(done), "engine_tokens_per_s": round(tokens / wall, 1)}
+
+
+def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequence[int], max_tokens: int, duration: float,
+                   device: str = "auto", dtype: str = "bfloat16", max_model_len: int = 2048, max_batch_size: int = 16) -> list[dict]:
+    """Server rows (as bench_serve) for `draftsmith serve <bundle>` run in this process, each with the
+    engine's tokens/s at the same concurrency and the ratio server / engine."""
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from draftsmith.serve.server import create_app, load_server
+
+    server = load_server(bundle, device, dtype, max_model_len, max_batch_size)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    while not (http.started and httpx.get(f"{url}/ready", timeout=30).status_code == 200):
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.2)
+    try:
+        rows = bench_serve(url, prompts, concurrencies, max_tokens, duration)
+    finally:
+        http.should_exit = True
+        thread.join()  # the lifespan's end stops the scheduler's thread: the engine is ours alone now
+    for row in rows:
+        row.update(engine_level(server, prompts, row["concurrency"], max_tokens, duration))
+        row["server_over_engine"] = round(row["tokens_per_s"] / row["engine_tokens_per_s"], 3)
+    return rows

@@ -135,6 +135,9 @@ def bench_serve_command(
     prompts: str = typer.Option("demo", help="a .jsonl of prompts (field 'prompt' or 'messages'); 'demo': the held-out demo prompts"),
     api_key: str = typer.Option(None, help="sent as 'Authorization: Bearer <key>'"),
     out: Path = typer.Option(None, help="write the rows as JSON here"),
+    compare_engine: Path = typer.Option(None, "--compare-engine", help="a bundle: serve it from this process instead of "
+                                        "loading --url, then run its engine alone on the same prompts and settings"),
+    device: str = typer.Option("auto", help="with --compare-engine: auto, cpu or cuda"),
 ) -> None:
     """Load a server with streaming chat clients: throughput and TTFT / TPOT p50 and p99 per concurrency."""
     import json
@@ -143,12 +146,16 @@ def bench_serve_command(
     from rich.table import Table
 
     from draftsmith.distill.data import heldout_messages, read_records, to_messages
-    from draftsmith.evaluate.bench_serve import bench_serve
+    from draftsmith.evaluate import bench_serve as bench
 
     chats = heldout_messages() if prompts == "demo" else [m for m in (to_messages(r, "prompt") for r in read_records(prompts)) if m]
-    rows = bench_serve(url, chats, concurrency, max_tokens, duration, api_key)
-    table = Table(title=f"bench serve: {url}, {max_tokens} max tokens, greedy, {duration:g} s per level")
     columns = ("concurrency", "requests", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+    if compare_engine:
+        rows = bench.compare_engine(compare_engine, chats, concurrency, max_tokens, duration, device)
+        url, columns = f"draftsmith serve {compare_engine} (in process)", columns + ("engine_tokens_per_s", "server_over_engine")
+    else:
+        rows = bench.bench_serve(url, chats, concurrency, max_tokens, duration, api_key)
+    table = Table(title=f"bench serve: {url}, {max_tokens} max tokens, greedy, {duration:g} s per level")
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:

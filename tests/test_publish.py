@@ -209,6 +209,20 @@ def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
         load_server(broken, device="cpu", dtype="bfloat16", max_model_len=128)
 
 
+def test_bench_serve_compares_the_server_with_its_own_engine(published):
+    tmp, bundle, _ = published
+    out = tmp / "compare.json"
+    done = draftsmith("bench", "serve", "--compare-engine", str(bundle), "--device", "cpu", "--concurrency", "1",
+                      "--concurrency", "3", "--duration", "2", "--max-tokens", "8", "--out", str(out), cwd=tmp)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 3] and all(r["errors"] == 0 and r["requests"] >= 1 for r in rows)
+    for r in rows:  # both sides measured in this one process; the ratio is theirs
+        assert r["engine_requests"] >= r["concurrency"] and r["engine_tokens_per_s"] > 0
+        assert r["server_over_engine"] == round(r["tokens_per_s"] / r["engine_tokens_per_s"], 3)
+    assert "server_over_engine" in done.stdout
+
+
 # -- a bundle that travels, and verify as a gate -----------------------------------------------------
 
 def moved_target(published, tmp_path) -> tuple[Path, Path]:
