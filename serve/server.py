@@ -141,15 +141,21 @@ class CompletionRequest(Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def one_prompt(cls, prompt):
-        """A string or token ids, alone or as a list of one; several prompts are several requests here."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per request is supported (send the others as requests of their own)")
-            prompt = prompt[0]
-        if not prompt:
+    def some_prompt(cls, prompt):
+        """A string or token ids, or a list of several of those (a choice or n for each)."""
+        several = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if not all(several):
             raise ValueError("the prompt is empty")
         return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        several = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
+        return self.prompt if several else [self.prompt]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if len(self.prompts()) > 1 and self.stream:
+            return "prompt", "several prompts are answered without streaming only (not yet in streamed chunks)"
+        return super().unsupported()
 
 
 class TextPart(BaseModel):
@@ -284,11 +290,12 @@ class Server:
         for position, n in enumerate(step.accepted_per_position):
             m.accepted_per_pos.labels(position=str(position)).inc(n)
 
-    def prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
+    def prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[list[int]]:
+        """The token ids of each of the request's prompts (a chat is one)."""
         if isinstance(request, ChatRequest):
             ids = self.tokenizer.apply_chat_template([m.as_dict() for m in request.messages], add_generation_prompt=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(request.prompt) if isinstance(request.prompt, list) else self.tokenizer.encode(request.prompt)
+            return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]
+        return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in request.prompts()]
 
     def submit(self, ids: list[int], params: SamplingParams) -> tuple[EngineRequest, asyncio.Queue]:
         """Queue a request on the scheduler; its tokens lists and then its Completion (or exception)
@@ -411,26 +418,31 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             return error(400, f"{where}: not valid Unicode (a lone surrogate)", where)
         if unsupported := request.unsupported():
             return error(400, f"{unsupported[0]}: {unsupported[1]}", unsupported[0])
-        ids = await asyncio.to_thread(server.prompt_ids, request)  # tokenizing a long prompt must not stall the loop
-        room = server.max_model_len - len(ids)
+        prompts = await asyncio.to_thread(server.prompt_ids, request)  # tokenizing a long prompt must not stall the loop
         asked = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        new_tokens = request.max_new_tokens(room)
-        if room < 1 or new_tokens > room:
-            return error(400, f"{len(ids)} prompt tokens + {asked} {new_tokens} exceed the context of "
-                              f"{server.max_model_len} tokens", asked if room >= 1 else ("messages" if chat else "prompt"))
-        try:
-            params = request.params(new_tokens)
-        except SamplingError as e:
-            return error(400, str(e))
+        jobs = []  # (prompt ids, params) per choice: n for each prompt, rows of the batch
+        for ids in prompts:
+            room = server.max_model_len - len(ids)
+            new_tokens = request.max_new_tokens(room)
+            if room < 1 or new_tokens > room:
+                return error(400, f"{len(ids)} prompt tokens + {asked} {new_tokens} exceed the context of "
+                                  f"{server.max_model_len} tokens", asked if room >= 1 else ("messages" if chat else "prompt"))
+            try:
+                params = request.params(new_tokens)
+            except SamplingError as e:
+                return error(400, str(e))
+            # with a seed, a prompt's choice i samples with seed + i
+            jobs += [(ids, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i))
+                     for i in range(request.n or 1)]
+        if len(jobs) > MAX_N:
+            return error(400, f"n: at most {MAX_N} choices per request (prompts x n)", "n")
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         started = time.perf_counter()
-        # n choices are n rows of the batch; with a seed, choice i samples with seed + i
-        choices = [params if params.seed is None or i == 0 else replace(params, seed=params.seed + i) for i in range(request.n or 1)]
         submitted = []
         try:
-            for choice_params in choices:
-                submitted.append(server.submit(ids, choice_params))
+            for ids, params in jobs:
+                submitted.append(server.submit(ids, params))
         except EngineError as e:
             for engine_request, _ in submitted:
                 engine_request.cancelled.set()
@@ -454,8 +466,8 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             body.append({"index": i, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
                          "finish_reason": result.finish_reason,
                          "logprobs": token_logprobs(server.tokenizer, result.tokens, result.logprobs, chat) if result.logprobs else None})
-        completion_tokens = sum(len(r.tokens) for r in results)
-        usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens, "total_tokens": len(ids) + completion_tokens}
+        prompt_tokens, completion_tokens = sum(len(ids) for ids in prompts), sum(len(r.tokens) for r in results)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
         return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": body, "usage": usage}
 
     async def finished(engine_request: EngineRequest, updates: asyncio.Queue, http: Request, started: float):

@@ -181,6 +181,13 @@ def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
     assert ids["usage"]["prompt_tokens"] == 3
     listed = openai.completions.create(model="tiny", prompt=["Balance inquiry:"], max_tokens=3, temperature=0)
     assert listed.choices[0].text is not None
+    alone = [openai.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0) for p in ("Card", [1, 5, 9])]
+    both = openai.completions.create(model="tiny", prompt=["Card", "Card"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3] and {c.text for c in both.choices} == {alone[0].choices[0].text}
+    assert both.usage.prompt_tokens == 2 * alone[0].usage.prompt_tokens
+    ids = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"model": "tiny", "prompt": [[1, 5, 9], [1, 5, 9, 14]], "max_tokens": 4, "temperature": 0}).json()
+    assert ids["choices"][0]["text"] == alone[1].choices[0].text and ids["usage"]["prompt_tokens"] == 7
     with pytest.raises(openai_errors.NotFoundError) as missing:
         openai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
