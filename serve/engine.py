@@ -65,6 +65,10 @@ class Logprobs:
     tokens: list[float] = field(default_factory=list)
     top_tokens: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
+    def window(self, start: int, end: int) -> "Logprobs":
+        """The entries of tokens start..end-1 (what a streamed chunk carries)."""
+        return Logprobs(self.top, self.tokens[start:end], self.top_tokens[start:end])
+
     def add(self, logprobs: Tensor, tokens: list[int]) -> None:
         """logprobs [T, V] at the positions that emitted `tokens` (T of them)."""
         ids = torch.tensor(tokens, device=logprobs.device).unsqueeze(1)

@@ -39,6 +39,8 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)  # set by a client that went away
     submitted: float = field(default_factory=time.perf_counter)
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: Logprobs | None = None  # the target's log-probabilities of its kept tokens, when asked for: each
+                                      # token's entry is there before on_tokens hears the token
 
 
 @dataclass
@@ -47,7 +49,6 @@ class Running:
     stop: StopChecker
     alpha: float  # moving average of the fraction of its drafts the target accepted
     generator: torch.Generator | None = None  # the request's own, when it gave a seed
-    logprobs: Logprobs | None = None  # the target's log-probabilities of its tokens, when asked for
 
 
 @dataclass
@@ -157,7 +158,7 @@ class Scheduler:
         out = self.engine.step(state, active, k, rows, self._random(running), self.engine.draft_proposer)
         stops = [r.stop if r is not None else None for r in running]
         deliver = lambda i, tokens: running[i].request.on_tokens(tokens)
-        logprobs = [r.logprobs if r is not None else None for r in running]
+        logprobs = [r.request.logprobs if r is not None else None for r in running]
         accepted = self.engine.emit(out, active_rows, stops, logprobs, SpecStats(), k, deliver)
         if k > 0:
             self.plain_steps = 0
@@ -214,13 +215,13 @@ class Scheduler:
         for requests, rows, stops, generators, (state, last) in prefilled:
             firsts = state.pending.tolist()
             for i, (request, row, stop) in enumerate(zip(requests, rows, stops)):
-                logprobs = Logprobs(request.params.top_logprobs) if request.params.logprobs else None
+                request.logprobs = Logprobs(request.params.top_logprobs) if request.params.logprobs else None
                 if stop.append([firsts[i]]):
-                    if logprobs is not None:
-                        logprobs.add(last[i:i + 1].float().log_softmax(-1), [firsts[i]])
+                    if request.logprobs is not None:
+                        request.logprobs.add(last[i:i + 1].float().log_softmax(-1), [firsts[i]])
                     request.on_tokens([firsts[i]])
                 self.state.set_row(row, state, source=i)
-                self.rows[row] = Running(request, stop, self.prior_alpha, generators.get(i), logprobs)
+                self.rows[row] = Running(request, stop, self.prior_alpha, generators.get(i))
                 if stop.finish_reason is not None:
                     self._finish(row)
 
@@ -247,4 +248,5 @@ class Scheduler:
         self.rows[row] = None
         if self.num_running == 0:
             self.plain_steps = 0  # a request that comes alone next sees the K choices any lone request does
-        r.request.on_done(Completion(r.request.prompt, r.stop.tokens, r.stop.finish_reason or "length", r.stop.text, r.logprobs))
+        r.request.on_done(Completion(r.request.prompt, r.stop.tokens, r.stop.finish_reason or "length", r.stop.text,
+                                     r.request.logprobs))

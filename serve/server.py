@@ -13,7 +13,7 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator, Literal
@@ -110,8 +110,6 @@ class Sampling(BaseModel):
         n = self.n or 1
         if n > MAX_N:
             return "n", f"at most {MAX_N} choices per request"
-        if n > 1 and self.stream:
-            return "n", "several choices are returned without streaming only (not yet in streamed chunks)"
         if (self.best_of or n) != n:
             return "best_of", "best_of other than n is not supported (choices are not ranked)"
         logprobs, top = self.wanted_logprobs()
@@ -119,8 +117,6 @@ class Sampling(BaseModel):
             return "top_logprobs" if self.top_logprobs else "logprobs", f"at most {MAX_TOP_LOGPROBS} alternatives per token"
         if top and not logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        if logprobs and self.stream:
-            return "logprobs", "log-probabilities are returned without streaming only (not yet in streamed chunks)"
         if self.echo:
             return "echo", "echo is not supported"
         if self.tools:
@@ -151,11 +147,6 @@ class CompletionRequest(Sampling):
     def prompts(self) -> list[str | list[int]]:
         several = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
         return self.prompt if several else [self.prompt]
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if len(self.prompts()) > 1 and self.stream:
-            return "prompt", "several prompts are answered without streaming only (not yet in streamed chunks)"
-        return super().unsupported()
 
 
 class TextPart(BaseModel):
@@ -310,6 +301,17 @@ class Server:
         return completion.text if completion.text is not None else self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
 
 
+@dataclass
+class Streamed:
+    """One choice of a stream: what it has received and what went out."""
+    tokens: list[int] = field(default_factory=list)
+    sent: str = ""  # text sent
+    logged: int = 0  # tokens whose log-probabilities were sent
+    first_at: float | None = None
+    last_burst: float = 0.0
+    step_s: float = 0.0  # a moving average of the time between bursts: the pacing budget
+
+
 class BodyGuard:
     """ASGI middleware in front of the API: the API key on /v1/*, POST bodies of at most `max_bytes`
     (413 beyond) read as JSON whatever Content-Type the client sent (curl -d sends form-urlencoded).
@@ -449,7 +451,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             return error(400, str(e))
         if request.stream:
             usage = request.stream_options is not None and request.stream_options.include_usage
-            return StreamingResponse(stream(*submitted[0], rid, created, kind, chat, started, usage),
+            return StreamingResponse(stream(submitted, rid, created, kind, chat, started, sum(len(ids) for ids in prompts), usage),
                                      media_type="text/event-stream")
         try:
             results = [await finished(*one, http, started) for one in submitted]
@@ -499,57 +501,81 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
         if first_at is not None and len(completion.tokens) > 1:
             server.metrics.tpot.observe((now - first_at) / (len(completion.tokens) - 1))
 
-    async def stream(engine_request: EngineRequest, updates: asyncio.Queue, rid, created, kind, chat,
-                     started, include_usage: bool) -> AsyncIterator[str]:
-        """SSE chunks as tokens are kept (in groups of `smooth_stream`, evenly paced, when set); a client
-        that goes away frees its row at the scheduler's next step."""
+    async def stream(submitted: list[tuple[EngineRequest, asyncio.Queue]], rid, created, kind, chat, started,
+                     prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        """SSE chunks of every choice as its tokens are kept (in groups of `smooth_stream`, evenly paced,
+        when set), with those tokens' log-probabilities when asked for; a client that goes away frees its
+        rows at the scheduler's next step."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         event = lambda body: "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                                     "model": server.model_name, **body}) + "\n\n"
-        chunk = lambda delta, finish=None: event({"choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
-                                                               **({"delta": delta} if chat else {"text": delta.get("content", "")})}]})
-        tokens: list[int] = []
-        sent = ""
-        first_at: float | None = None
-        last_burst, step_s = started, 0.0  # a moving average of the time between bursts: the pacing budget
+
+        def chunk(index: int, delta: dict, finish: str | None = None) -> str:
+            request, choice = submitted[index][0], choices[index]
+            logprobs = None
+            if request.logprobs is not None:  # the entries of the tokens received since the last chunk
+                logprobs = token_logprobs(server.tokenizer, choice.tokens[choice.logged:],
+                                          request.logprobs.window(choice.logged, len(choice.tokens)), chat)
+                choice.logged = len(choice.tokens)
+            body = {"delta": delta} if chat else {"text": delta.get("content", "")}
+            return event({"choices": [{"index": index, "finish_reason": finish, "logprobs": logprobs, **body}]})
+
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, updates: asyncio.Queue) -> None:
+            while not isinstance(item := await updates.get(), tuple):
+                merged.put_nowait((index, item))
+            merged.put_nowait((index, item))
+
+        pumps = [asyncio.create_task(forward(i, updates)) for i, (_, updates) in enumerate(submitted)]
+        choices = [Streamed(last_burst=started) for _ in submitted]
+        results: dict[int, Completion] = {}
         try:
             if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            while True:
-                item = await updates.get()
+                for index in range(len(submitted)):
+                    yield event({"choices": [{"index": index, "finish_reason": None, "logprobs": None,
+                                              "delta": {"role": "assistant", "content": ""}}]})
+            while len(results) < len(submitted):
+                index, item = await merged.get()
+                request, choice = submitted[index][0], choices[index]
                 if isinstance(item, tuple):
                     result = item[1]
                     if isinstance(result, BaseException):
                         yield "data: " + json.dumps({"error": {"message": str(result), "type": "server_error"}}) + "\n\n"
                         break
                     final = server.text_of(result)
-                    yield chunk({"content": final[len(sent):]} if final.startswith(sent) else {}, result.finish_reason)
-                    observe(result, started, first_at)
-                    if include_usage:
-                        prompt_tokens = len(engine_request.prompt)
-                        yield event({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.tokens),
-                                                              "total_tokens": prompt_tokens + len(result.tokens)}})
-                    break
+                    yield chunk(index, {"content": final[len(choice.sent):]} if final.startswith(choice.sent) else {}, result.finish_reason)
+                    observe(result, started, choice.first_at)
+                    results[index] = result
+                    continue
                 now = time.perf_counter()
-                if first_at is None:
-                    first_at = now
+                if choice.first_at is None:
+                    choice.first_at = now
                     server.metrics.ttft.observe(now - started)
                 else:
-                    step_s = 0.7 * step_s + 0.3 * (now - last_burst) if step_s else now - last_burst
-                last_burst = now
+                    gap = now - choice.last_burst
+                    choice.step_s = 0.7 * choice.step_s + 0.3 * gap if choice.step_s else gap
+                choice.last_burst = now
                 group = server.smooth_stream or len(item)
                 groups = [item[i:i + group] for i in range(0, len(item), group)]
                 for j, part in enumerate(groups):
-                    if j and updates.empty():  # pace the burst over the expected step time, never behind
-                        await asyncio.sleep(step_s / len(groups))
-                    tokens += part
-                    text = settled(server.tokenizer.decode(tokens, skip_special_tokens=True), engine_request.params.stop)
-                    if text.startswith(sent) and len(text) > len(sent) and not text.endswith("\ufffd"):
-                        yield chunk({"content": text[len(sent):]})
-                        sent = text
+                    if j and merged.empty():  # pace the burst over the expected step time, never behind
+                        await asyncio.sleep(choice.step_s / len(groups))
+                    choice.tokens += part
+                    text = settled(server.tokenizer.decode(choice.tokens, skip_special_tokens=True), request.params.stop)
+                    if text.startswith(choice.sent) and len(text) > len(choice.sent) and not text.endswith("\ufffd"):
+                        yield chunk(index, {"content": text[len(choice.sent):]})
+                        choice.sent = text
+            if include_usage and len(results) == len(submitted):
+                completion_tokens = sum(len(r.tokens) for r in results.values())
+                yield event({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                                      "total_tokens": prompt_tokens + completion_tokens}})
             yield "data: [DONE]\n\n"
         finally:
-            engine_request.cancelled.set()
+            for request, _ in submitted:
+                request.cancelled.set()
+            for pump in pumps:
+                pump.cancel()
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http: Request):

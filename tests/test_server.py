@@ -197,7 +197,7 @@ def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
     assert [c.index for c in first.choices] == [0, 1] and first.choices[0].message.content != first.choices[1].message.content
     assert first.usage.completion_tokens == sum(len(c.logprobs.content) for c in first.choices)  # every choice counted
     assert [c.message.content for c in two().choices] == [c.message.content for c in first.choices]  # seed, seed + 1
-    for extra, param in ((dict(n=2, stream=True), "n"), (dict(logprobs=True, stream=True), "logprobs"), (dict(top_logprobs=2), "top_logprobs"),
+    for extra, param in ((dict(n=65), "n"), (dict(top_logprobs=2), "top_logprobs"),
                          (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(tools=[{"type": "function",
                          "function": {"name": "f", "parameters": {}}}]), "tools")):
         with pytest.raises(openai_errors.BadRequestError) as refused:
@@ -247,6 +247,24 @@ def test_logprobs_are_the_targets_own(base_url, tiny_chat_target):
         greedy = target.generate(tokens, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
     expected = [step[0].log_softmax(-1).max().item() for step in greedy.logits][: len(got["token_logprobs"])]
     assert got["token_logprobs"] == pytest.approx(expected, abs=1e-3)
+
+
+def test_a_stream_of_several_choices_with_logprobs_equals_the_whole_answer(base_url):
+    openai = client(base_url)
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Why was my card declined?"}], max_tokens=10, temperature=0,
+               n=2, logprobs=True, top_logprobs=2, stop=" the")
+    whole = openai.chat.completions.create(**ask)
+    text, entries, usage = {0: "", 1: ""}, {0: [], 1: []}, None
+    for chunk in openai.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text[choice.index] += choice.delta.content or ""
+            entries[choice.index] += choice.logprobs.content if choice.logprobs else []
+    for choice in whole.choices:
+        assert text[choice.index] == choice.message.content
+        assert [(e.token, e.logprob) for e in entries[choice.index]] == [(e.token, e.logprob) for e in choice.logprobs.content]
+        assert all(len(e.top_logprobs) == 2 for e in entries[choice.index])
+    assert usage.completion_tokens == whole.usage.completion_tokens and usage.prompt_tokens == whole.usage.prompt_tokens
 
 
 STOPS = [None, " ", ".", ["e", ","], "the card"]
