@@ -11,6 +11,7 @@ publish.override_gates=true.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,6 +29,8 @@ from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
 
 PROMPT_LOOKUP = "prompt_lookup"
+REMEASURE = 2  # more plain + speculative runs when one measured a speedup that cannot be
+log = logging.getLogger("draftsmith")
 
 
 class GateFailed(RuntimeError):
@@ -141,10 +144,21 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         k, why = cost.choose_k(predicted[shipped])
         # the engine at the chosen K: the speed measurement, and the check of the computed counters
         progress.update(task, description=f"engine: plain and {shipped} K={k}")
-        plain_run = measure(engine_of(), "plain", prompts, params[0.0], 0)
-        shipped_run = measure(engine_of(drafts[shipped]), shipped, prompts, params[0.0], k)
+        for attempt in range(1 + REMEASURE):
+            plain_run = measure(engine_of(), "plain", prompts, params[0.0], 0)
+            shipped_run = measure(engine_of(drafts[shipped]), shipped, prompts, params[0.0], k)
+            measured_speedup = shipped_run.tokens_per_s / plain_run.tokens_per_s
+            # a step emits tau tokens and costs at least a plain step: a speedup above tau means something
+            # else took the machine during one of the two runs
+            disturbed = k > 0 and measured_speedup > shipped_run.stats.tau
+            if not disturbed:
+                break
+            log.warning("evaluate: measured speedup %.2fx is above tau %.3f, which bounds it: the machine was busy "
+                        "with something else; %s", measured_speedup, shipped_run.stats.tau,
+                        "measuring again" if attempt < REMEASURE else "reporting tau as the speedup")
+        if disturbed:
+            measured_speedup = shipped_run.stats.tau
         progress.advance(task, 2)
-    measured_speedup = shipped_run.tokens_per_s / plain_run.tokens_per_s
     computed_tau = tau(shipped, k)
     data = inputs["data"]
     report = {
@@ -165,7 +179,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         "speed": {"batch_size": e.batch_size, "plain_step_ms": round(plain_ms, 4),
                   "step_ms": {name: {str(k_): round(v, 4) for k_, v in s.items()} for name, s in step_ms.items()},
                   "predicted_speedup": {name: {str(k_): round(v, 4) for k_, v in s.items()} for name, s in predicted.items()},
-                  "measured_speedup": {shipped: {str(k): round(measured_speedup, 4)}},
+                  "measured_speedup": {shipped: {str(k): round(measured_speedup, 4)}}, "disturbed": disturbed,
                   "plain_tokens_per_s": round(plain_run.tokens_per_s, 2), "tokens_per_s": round(shipped_run.tokens_per_s, 2)},
         "num_speculative_tokens": k, "why": why,
     }
