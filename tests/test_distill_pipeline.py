@@ -130,7 +130,8 @@ def test_two_processes_train_data_parallel(tiny_chat_target, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_teacher_stage_keeps_its_shards_and_the_same_command_resumes(tiny_chat_target, tmp_path, sig):
     root = tmp_path / "runs"
-    args = args_for(tiny_chat_target, root, "distill.teacher.batch_size=2", "stop_after=teacher")
+    # a shard at a time, each a few hundred ms: the signal lands while later shards are still being written
+    args = args_for(tiny_chat_target, root, "distill.teacher.batch_size=1", "distill.teacher.max_new_tokens=48", "stop_after=teacher")
     process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "COLUMNS": "200"})
     deadline = time.time() + 600
