@@ -13,8 +13,8 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator, Literal
 
