@@ -71,7 +71,9 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
                 if (output.path / name).is_file():
                     job.log_artifact(output.path / name, f"{output.name}/{name}".rsplit("/", 1)[0])
 
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Ctrl-C and a scheduler's SIGTERM both keep the work; SIGINT too when the parent ignored it (a job
+    # started in the background by a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         outputs = run_pipeline(typed, root, on_stage=on_stage)
     except BaseException as e:
@@ -85,7 +87,8 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
             raise SystemExit(1) from None
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if job:
         job.end("FINISHED")
     if process_rank()[0] == 0:
