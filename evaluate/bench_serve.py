@@ -110,9 +110,9 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
     through the prompts for `duration` seconds; requests still running at the end are waited for."""
     from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.scheduler import Request
+    from draftsmith.serve.server import ChatRequest
 
-    chats = [server.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in prompts]
-    ids = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    ids = [server.prompt_ids(ChatRequest(messages=m))[0] for m in prompts]  # as the server tokenizes them
     params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
     done: list = []
     started = time.perf_counter()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -69,7 +70,7 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
             job.log_stage(output.name, output.fingerprint, output.cached, output.metrics)
             for name in (STAGE_JSON, *STAGES[output.name].artifacts):
                 if (output.path / name).is_file():
-                    job.log_artifact(output.path / name, f"{output.name}/{name}".rsplit("/", 1)[0])
+                    job.log_artifact(output.path / name, str(Path(output.name, name).parent))
 
     # Ctrl-C and a scheduler's SIGTERM both keep the work; SIGINT too when the parent ignored it (a job
     # started in the background by a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)

@@ -62,7 +62,10 @@ def source_tags() -> dict[str, str]:
     tags = {"mlflow.source.name": " ".join(["draftsmith", *sys.argv[1:]])[:500], "mlflow.source.type": "LOCAL",
             "mlflow.user": getpass.getuser()}
     for where in (Path.cwd(), Path(__file__).resolve().parent):
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True)
+        try:
+            done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True)
+        except OSError:  # no git on this machine (a container): no commit tag
+            break
         if done.returncode == 0:
             tags["mlflow.source.git.commit"] = done.stdout.strip()
             break

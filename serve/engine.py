@@ -65,6 +65,11 @@ class Logprobs:
     tokens: list[float] = field(default_factory=list)
     top_tokens: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, params: SamplingParams) -> "Logprobs | None":
+        """An empty record for a request that asked for log-probabilities, else None."""
+        return cls(params.top_logprobs) if params.logprobs or params.top_logprobs else None
+
     def window(self, start: int, end: int) -> "Logprobs":
         """The entries of tokens start..end-1 (what a streamed chunk carries)."""
         return Logprobs(self.top, self.tokens[start:end], self.top_tokens[start:end])
@@ -235,16 +240,10 @@ class Engine:
         seed = params[0].seed
         generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         stops = [StopChecker(p, self.eos_token_ids, self.detokenize) for p in params]
-        logprobs = [Logprobs(p.top_logprobs) if p.logprobs or p.top_logprobs else None for p in params]
+        logprobs = [Logprobs.of(p) for p in params]
 
         state, first_logits = self.prefill(prompts, rows, generator)
-        first = state.pending.tolist()
-        for i, stop in enumerate(stops):
-            if stop.append([first[i]]):
-                if logprobs[i] is not None:
-                    logprobs[i].add(first_logits[i:i + 1].float().log_softmax(-1), [first[i]])
-                if on_tokens:
-                    on_tokens(i, [first[i]])
+        self.emit_first(state, first_logits, stops, logprobs, on_tokens)
         active_rows = [stop.finish_reason is None for stop in stops]
         active = torch.tensor(active_rows, device=self.device)
         generation = Generation(completions=[])
@@ -291,6 +290,19 @@ class Engine:
             if i:
                 times.append((time.perf_counter() - started) * 1000)
         return sorted(times)[len(times) // 2]
+
+    @staticmethod
+    def emit_first(state: DecodeState, last: Tensor, stops: list[StopChecker], logprobs: list[Logprobs | None],
+                   on_tokens: Callable[[int, list[int]], None] | None) -> None:
+        """Hand each prefilled row its first token (stops, logprobs from the target's `last` logits [B, V],
+        on_tokens)."""
+        first = state.pending.tolist()
+        for i, stop in enumerate(stops):
+            if stop.append([first[i]]):
+                if logprobs[i] is not None:
+                    logprobs[i].add(last[i:i + 1].float().log_softmax(-1), [first[i]])
+                if on_tokens:
+                    on_tokens(i, [first[i]])
 
     def emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
               logprobs: list[Logprobs | None], stats: SpecStats, k: int,

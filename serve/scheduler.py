@@ -213,13 +213,11 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - the request fails, the batch goes on
                     request.on_done(e)
         for requests, rows, stops, generators, (state, last) in prefilled:
-            firsts = state.pending.tolist()
+            for request in requests:
+                request.logprobs = Logprobs.of(request.params)
+            self.engine.emit_first(state, last, stops, [r.logprobs for r in requests],
+                                   lambda i, tokens: requests[i].on_tokens(tokens))
             for i, (request, row, stop) in enumerate(zip(requests, rows, stops)):
-                request.logprobs = Logprobs(request.params.top_logprobs) if request.params.logprobs else None
-                if stop.append([firsts[i]]):
-                    if request.logprobs is not None:
-                        request.logprobs.add(last[i:i + 1].float().log_softmax(-1), [firsts[i]])
-                    request.on_tokens([firsts[i]])
                 self.state.set_row(row, state, source=i)
                 self.rows[row] = Running(request, stop, self.prior_alpha, generators.get(i))
                 if stop.finish_reason is not None:

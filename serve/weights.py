@@ -53,7 +53,8 @@ def free_bytes(device: str | torch.device) -> int:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    for line in Path("/proc/meminfo").read_text().splitlines():
+    meminfo = Path("/proc/meminfo")
+    for line in meminfo.read_text().splitlines() if meminfo.is_file() else ():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
