@@ -6,8 +6,9 @@ At batch 1, the held-out demo prompts one after another, greedy, exactly `new_to
 (EOS ignored): optionally transformers `generate` and assisted generation, draftsmith plain decoding
 (eager and CUDA graphs only when asked; CUDA graphs and compiled blocks always), and speculative
 decoding with each draft (a draft model or an EAGLE-3 head) at each K. Then at batch `batch`
-(continuous batching): 4 x batch requests, the prompts cycled in order (request i gets prompt
-i mod len(prompts)), plain and speculative with adaptive K <= max K for each draft.
+(continuous batching, CUDA graphs and compiled blocks as `draftsmith serve` runs): 4 x batch requests,
+the prompts cycled in order (request i gets prompt i mod len(prompts)), plain and speculative with
+adaptive K <= max K for each draft.
 """
 from __future__ import annotations
 
@@ -121,7 +122,9 @@ def bench_batch(engine: Engine, method: str, prompts: list[list[int]], new_token
                 requests: int, repeats: int, device: str) -> tuple[BenchRow, list[list[int]]]:
     """`requests` requests (the prompts, cycled) through the continuous-batching scheduler."""
     scheduler = Scheduler(engine, k, adaptive=adaptive)
-    scheduler.warm_up()  # step costs for adaptive K; on a GPU, every shape's CUDA graph
+    # step costs for adaptive K at the full batch, where these requests run (on a GPU: the steps' CUDA graphs,
+    # compiled); greedy, so no sampled forwards
+    scheduler.warm_up(sampled=False, batch_sizes=[engine.max_batch_size])
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
     def run():
@@ -175,9 +178,9 @@ def run_bench(target_dir: Path, drafts: Sequence[Path], prompts: list[list[int]]
             rows.append(row)
     if batch > 1:
         requests = 4 * batch
-        # CUDA graphs without compiling: the batch runs a few buckets x (K + 1) shapes, each a compile
+        # as draftsmith serve runs: CUDA graphs and compiled blocks
         engine_of = lambda draft=None: Engine(target, draft, max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=graphs,
-                                              compile_blocks=False, eos_token_ids=eos)
+                                              eos_token_ids=eos)
         row, plain_batch = bench_batch(engine_of(), f"plain, batch {batch}", prompts, new_tokens, 0, False, requests, repeats, device)
         rows.append(row)
         for name, draft in models.items():

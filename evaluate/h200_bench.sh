@@ -20,7 +20,7 @@ get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.
 common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs)
 # the EAGLE-3 head: 3 more sampled responses per training prompt, 64 sequences a step
 eagle=(draft=eagle3 distill.teacher.extra_samples=3 distill.teacher.batch_size=128 distill.batch_size=64
-       distill.learning_rate=1e-3 distill.max_steps=1500 distill.eval_every=500)
+       distill.learning_rate=1e-3 distill.max_steps=2000 distill.eval_every=500)
 
 case "${1:?tests, eagle, standalone, decode, serve or compare}" in
 tests)
@@ -36,9 +36,11 @@ standalone)
   for s in distill quantize; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/standalone_${s}_stage.json" || true; done
   ;;
 decode)
+  drafts=(--draft "$(newest "$root/runs/publish/*")/bundle/draft")
+  standalone=$(newest "$root/runs/quantize/*/draft")  # only where `standalone` ran on this machine
+  [ -n "$standalone" ] && drafts+=(--draft "$standalone")
   "${cli[@]}" bench decode --device cuda --prompts 8 --new-tokens 256 --batch 16 --k 2 --k 3 --k 4 --k 5 --repeats 3 \
-    --draft "$(newest "$root/runs/publish/*")/bundle/draft" --draft "$(newest "$root/runs/quantize/*/draft")" \
-    --cache-dir $root/cache --out "$out/bench_decode.json"
+    "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
   ;;
 serve)
   bundle=$(newest "$root/runs/publish/*")/bundle

@@ -84,6 +84,24 @@ class Logprobs:
 
 
 @dataclass
+class Launched:
+    """A step queued on the device, with its accepted counts and tokens on their way to host memory:
+    the next step can be queued before this one's tokens are read, so that the device never waits for
+    the host's stop checks and emission. `out` holds until the next step is launched."""
+    out: StepOutput
+    k: int
+    host: Tensor  # [B, K+2]: each row's accepted draft count, then its K+1 tokens
+    ready: "torch.cuda.Event | None" = None
+
+    def read(self) -> tuple[list[int], list[list[int]]]:
+        """Each row's accepted draft count and tokens (waits for this step only)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        step = self.host.tolist()
+        return [row[0] for row in step], [row[1:] for row in step]
+
+
+@dataclass
 class Completion:
     prompt_tokens: list[int]
     tokens: list[int]
@@ -96,7 +114,7 @@ class Completion:
 class Generation:
     completions: list[Completion]
     stats: SpecStats = field(default_factory=SpecStats)
-    target_steps: int = 0  # target forwards after prefill
+    target_steps: int = 0  # target steps whose tokens were kept (after prefill)
     seconds: float = 0.0
 
     @property
@@ -129,7 +147,7 @@ class Engine:
 
     def __init__(self, target: Transformer, draft: Transformer | EagleHead | None = None, *, max_batch_size: int = 1,
                  max_seq_len: int = 2048, cuda_graphs: bool = True, compile_blocks: bool = True, eos_token_ids: frozenset[int] = frozenset(),
-                 detokenize: Detokenize | None = None, verify: Verifier = rejection_sample):
+                 detokenize: Detokenize | None = None, verify: Verifier = rejection_sample, overlap: bool | None = None):
         self.eagle = isinstance(draft, EagleHead)
         if self.eagle:
             try:
@@ -143,6 +161,9 @@ class Engine:
         self.device = target.output.weight.device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.eos_token_ids, self.detokenize, self.verify = eos_token_ids, detokenize, verify
+        # launch each step before reading the last one's tokens (Launched): on a GPU the host's work then
+        # runs while the device computes; on a CPU, where a launch is the computation, it only adds a step
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         for model in (target, draft):
             if model is not None:
                 model.setup_cache(max_batch_size, max_seq_len)
@@ -247,12 +268,18 @@ class Engine:
         active_rows = [stop.finish_reason is None for stop in stops]
         active = torch.tensor(active_rows, device=self.device)
         generation = Generation(completions=[])
+        reads_history = k > 0 and proposer.reads_history
+        # a step's tokens are read while the next one runs, unless the next step needs them (prompt lookup
+        # reads the history) or the target's logits are wanted (the next step rewrites them)
+        ahead = self.overlap and not reads_history and not any(logprobs)
+        in_flight: Launched | None = None
         while any(active_rows):
-            reads_history = k > 0 and proposer.reads_history
             histories = [list(p) + s.tokens for p, s in zip(prompts, stops)] if reads_history else []
-            out = self.step(state, active, k, rows, generator, proposer, histories)
-            generation.target_steps += 1
-            self.emit(out, active_rows, stops, logprobs, generation.stats, k, on_tokens)
+            launched = self.launch(state, active, k, rows, generator, proposer, histories)
+            for done in ([in_flight] if in_flight else []) + ([] if ahead else [launched]):
+                self.emit(done, active_rows, stops, logprobs, generation.stats, on_tokens)
+                generation.target_steps += 1
+            in_flight = launched if ahead else None  # the last one, launched before the rows stopped, goes unread
             still = [a and stop.finish_reason is None for a, stop in zip(active_rows, stops)]
             if still != active_rows:
                 active_rows, active = still, torch.tensor(still, device=self.device)
@@ -270,6 +297,19 @@ class Engine:
         if self.step_graphs is not None and rows.all_greedy and (k == 0 or proposer is self.draft_proposer):
             return self.step_graphs(state, active, k)
         return decode_step(self.target_forward, proposer, state, active, k, rows, generator, self.verify, histories)
+
+    def launch(self, state: DecodeState, active: Tensor, k: int, rows: RowSampling, generator: Random,
+               proposer: Proposer | None, histories: Sequence[Sequence[int]] = ()) -> Launched:
+        """`step`, with its accepted counts and tokens copied to host memory as the device finishes it."""
+        out = self.step(state, active, k, rows, generator, proposer, histories)
+        both = torch.cat([out.num_accepted.unsqueeze(1).to(out.tokens.dtype), out.tokens], dim=1)
+        if self.device.type != "cuda":
+            return Launched(out, k, both)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(out, k, host, ready)
 
     @torch.inference_mode()
     def time_step(self, batch: int, k: int, repeats: int = 3, proposer: Proposer | None = None) -> float:
@@ -304,17 +344,17 @@ class Engine:
                 if on_tokens:
                     on_tokens(i, [first[i]])
 
-    def emit(self, out: StepOutput, active_rows: list[bool], stops: list[StopChecker],
-              logprobs: list[Logprobs | None], stats: SpecStats, k: int,
-              on_tokens: Callable[[int, list[int]], None] | None) -> list[int]:
+    def emit(self, launched: Launched, active_rows: list[bool], stops: list[StopChecker],
+             logprobs: list[Logprobs | None], stats: SpecStats,
+             on_tokens: Callable[[int, list[int]], None] | None) -> list[int]:
         """Hand each active row its kept tokens (stops, logprobs, on_tokens) and count the step;
-        returns each row's accepted draft count."""
-        step = torch.cat([out.num_accepted.unsqueeze(1), out.tokens], dim=1).tolist()  # the step's one sync
-        num_accepted, tokens = [row[0] for row in step], [row[1:] for row in step]
+        returns each row's accepted draft count. Logprobs read the step's target logits: emit a step
+        that has rows wanting them before the next step is launched."""
+        num_accepted, tokens = launched.read()
         wanted = any(lp is not None and a for lp, a in zip(logprobs, active_rows))
-        target_logprobs = out.target_logits.float().log_softmax(-1) if wanted else None  # [B, K+1, V]
-        if k > 0:
-            stats.record(k, [n for n, a in zip(num_accepted, active_rows) if a])
+        target_logprobs = launched.out.target_logits.float().log_softmax(-1) if wanted else None  # [B, K+1, V]
+        if launched.k > 0:
+            stats.record(launched.k, [n for n, a in zip(num_accepted, active_rows) if a])
         for i, stop in enumerate(stops):
             if not active_rows[i]:
                 continue

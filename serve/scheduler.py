@@ -14,12 +14,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from draftsmith.evaluate.cost import expected_tokens
-from draftsmith.serve.engine import Completion, Engine, EngineError, Logprobs
+from draftsmith.serve.engine import Completion, Engine, EngineError, Launched, Logprobs
 from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
@@ -86,6 +86,8 @@ class Scheduler:
         self.plain_steps = 0
         self.wake = threading.Condition()
         self._sampling: tuple[tuple, RowSampling] | None = None
+        self._mask: tuple[tuple[bool, ...], torch.Tensor] | None = None
+        self.in_flight: tuple[Launched, list[Running | None]] | None = None  # launched, its tokens not yet handed out
 
     # -- the caller's side (any thread) -----------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -104,13 +106,17 @@ class Scheduler:
         return len(self.waiting)
 
     # -- the engine's thread ----------------------------------------------------------------------
-    def warm_up(self) -> None:
-        """Time a whole greedy step at every batch bucket and K = 0..max (on a GPU this captures each
-        step's CUDA graph), and capture the forwards that sampled steps replay, before any request is admitted."""
+    def warm_up(self, sampled: bool = True, batch_sizes: Sequence[int] | None = None) -> None:
+        """Time a whole greedy step at every batch bucket (or those of `batch_sizes`) and K = 0..max (on a
+        GPU this captures each step's CUDA graph) and, if `sampled`, capture the forwards that sampled steps
+        replay, before any request is admitted. A bucket left out is timed when a step first needs it."""
         e = self.engine
-        buckets = sorted({bucket(n, e.max_batch_size) for n in range(1, e.max_batch_size + 1)})
-        self.costs = StepCostTable({(b, k): e.time_step(b, k) for b in buckets for k in range(self.max_k + 1)})
-        if e.target_forward.enabled:  # sampled steps run forward by forward: capture those shapes too
+        sizes = range(1, e.max_batch_size + 1) if batch_sizes is None else batch_sizes
+        buckets = sorted({bucket(n, e.max_batch_size) for n in sizes})
+        self.costs = StepCostTable({})
+        for b in buckets:
+            self._time_steps(b)
+        if sampled and e.target_forward.enabled:  # sampled steps run forward by forward: capture those shapes too
             tokens = lambda b, t: torch.zeros(b, t, dtype=torch.long, device=e.device)
             for b in buckets:
                 for t in range(1, self.max_k + 2):
@@ -119,10 +125,13 @@ class Scheduler:
                     for t in (1, 2):  # a draft model's first forward of a step reads 2 tokens
                         e.draft_forward(tokens(b, t), tokens(b, t) + e.max_seq_len)
 
+    def _time_steps(self, batch: int) -> None:
+        self.costs.step_ms.update({(batch, k): self.engine.time_step(batch, k) for k in range(self.max_k + 1)})
+
     def serve_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
             with self.wake:
-                if not self.waiting and not self.num_running:
+                if not self.waiting and not self.num_running and self.in_flight is None:
                     self.wake.wait(timeout=0.1)
                     continue
             try:
@@ -131,6 +140,7 @@ class Scheduler:
                 self._fail_running(e)
 
     def _fail_running(self, error: Exception) -> None:
+        self.in_flight = None
         for i, r in enumerate(self.rows):
             if r is not None:
                 self.rows[i] = None
@@ -138,44 +148,71 @@ class Scheduler:
 
     def drain(self) -> None:
         """Step until every submitted request has finished (tests, batch use)."""
-        while self.waiting or self.num_running:
+        while self.waiting or self.num_running or self.in_flight is not None:
             self.step()
 
     @torch.inference_mode()
     def step(self) -> None:
+        """Launch a step over the running rows, then hand out the tokens of the step launched before it,
+        which the device has finished or is finishing meanwhile (a step whose rows want logprobs is
+        handed out at once: the next launch rewrites its logits)."""
         self._retire_cancelled()
         self._admit()
         busy = [i for i, r in enumerate(self.rows) if r is not None]
-        if not busy:
-            return
+        launched = self._launch(busy) if busy else None
+        earlier, self.in_flight = self.in_flight, None
+        if earlier is not None:
+            self._hand_out(*earlier)
+        if launched is not None:
+            if not self.engine.overlap or any(r is not None and r.request.logprobs is not None for r in launched[1]):
+                self._hand_out(*launched)
+            else:
+                self.in_flight = launched
+
+    def _launch(self, busy: list[int]) -> tuple[Launched, list[Running | None]]:
         n = bucket(busy[-1] + 1, self.engine.max_batch_size)
         running = self.rows[:n]
         k = self._choose_k(n, [r.alpha for r in running if r is not None])
-        rows = self._row_sampling(running)
+        active = self._active(tuple(r is not None for r in running))
         state = self.state.rows(n)  # views: they advance in place
-        active_rows = [r is not None for r in running]
-        active = torch.tensor(active_rows, device=self.engine.device)
-        out = self.engine.step(state, active, k, rows, self._random(running), self.engine.draft_proposer)
-        stops = [r.stop if r is not None else None for r in running]
-        deliver = lambda i, tokens: running[i].request.on_tokens(tokens)
-        logprobs = [r.request.logprobs if r is not None else None for r in running]
-        accepted = self.engine.emit(out, active_rows, stops, logprobs, SpecStats(), k, deliver)
+        return self.engine.launch(state, active, k, self._row_sampling(running), self._random(running),
+                                  self.engine.draft_proposer), running
+
+    def _active(self, rows: tuple[bool, ...]) -> torch.Tensor:
+        """The rows' mask on the device, made once per pattern (a fresh one would wait for the step in flight)."""
+        if self._mask is None or self._mask[0] != rows:
+            self._mask = (rows, torch.tensor(rows, device=self.engine.device))
+        return self._mask[1]
+
+    def _hand_out(self, launched: Launched, running: list[Running | None]) -> None:
+        """Deliver a step's kept tokens to the requests it ran for that are still going (a request that
+        stopped or was cancelled since the launch gets nothing), then retire the ones it finished."""
+        live = [r if r is not None and r.stop.finish_reason is None and not r.request.cancelled.is_set() else None
+                for r in running]
+        active_rows = [r is not None for r in live]
+        stops = [r.stop if r is not None else None for r in live]
+        deliver = lambda i, tokens: live[i].request.on_tokens(tokens)
+        logprobs = [r.request.logprobs if r is not None else None for r in live]
+        accepted = self.engine.emit(launched, active_rows, stops, logprobs, SpecStats(), deliver)
+        k = launched.k
         if k > 0:
             self.plain_steps = 0
-            for r, a in zip(running, accepted):
+            for r, a in zip(live, accepted):
                 if r is not None:
                     r.request.stats.record(k, [a])
                     r.alpha = (1 - SMOOTHING) * r.alpha + SMOOTHING * a / k
         else:
             self.plain_steps += 1
-        self.on_step(k, [a for r, a in zip(running, accepted) if r is not None] if k > 0 else [])
-        for i, r in enumerate(running):
-            if r is not None and r.stop.finish_reason is not None:
+        self.on_step(k, [a for r, a in zip(live, accepted) if r is not None] if k > 0 else [])
+        for i, r in enumerate(live):
+            if r is not None and r.stop.finish_reason is not None and self.rows[i] is r:
                 self._finish(i)
 
     def _choose_k(self, n: int, alphas: list[float]) -> int:
         if self.max_k == 0 or not self.adaptive or self.costs is None:
             return self.max_k
+        if (n, 0) not in self.costs.step_ms:
+            self._time_steps(n)
         k = self.costs.best_k(n, alphas, self.max_k)
         if k == 0 and self.plain_steps + 1 >= PROBE_EVERY:
             return 1  # a probe: one draft token, to refresh the acceptance averages

@@ -14,10 +14,11 @@ from tests.test_sampling import PROMPT, VOCAB, chi_square_p, exact_joint, small_
 from tests.test_speculative import random_prompts
 
 
-def engine_of(target_dir, draft_dir, batch: int, max_seq_len: int = 64) -> Engine:
-    # float64: the check is of the algorithm, not of float rounding between batch shapes
+def engine_of(target_dir, draft_dir, batch: int, max_seq_len: int = 64, overlap: bool = False) -> Engine:
+    # float64: the check is of the algorithm, not of float rounding between batch shapes. overlap: each step
+    # is launched before the last one's tokens are handed out, as on a GPU
     return Engine(load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64),
-                  max_batch_size=batch, max_seq_len=max_seq_len)
+                  max_batch_size=batch, max_seq_len=max_seq_len, overlap=overlap)
 
 
 def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple[list, list[int]]:
@@ -31,7 +32,7 @@ def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple
     requests = [Request(list(p), q, on_done=lambda r, i=i: results.__setitem__(i, r))
                 for i, (p, q) in enumerate(zip(prompts, per_prompt))]
     pending = list(requests)
-    while pending or scheduler.num_running or scheduler.num_waiting:
+    while pending or scheduler.num_running or scheduler.num_waiting or scheduler.in_flight:
         for _ in range(len(pending) if not join_every else 1):
             if pending:
                 scheduler.submit(pending.pop(0))
@@ -40,14 +41,14 @@ def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple
     return [results[i] for i in range(len(prompts))], ks
 
 
-@pytest.mark.parametrize("join_every", [0, 1, 3])
-def test_requests_joining_a_running_batch_get_the_targets_greedy_output(tiny_models, join_every):
+@pytest.mark.parametrize("join_every,overlap", [(0, False), (1, False), (3, False), (1, True), (3, True)])
+def test_requests_joining_a_running_batch_get_the_targets_greedy_output(tiny_models, join_every, overlap):
     target_dir, draft_dir = tiny_models["smollm2"]
     prompts = random_prompts(24, 97, seed=5)
     lengths = [4 + (i * 7) % 13 for i in range(len(prompts))]  # rows finish at different steps
     alone = engine_of(target_dir, draft_dir, 1)
     expected = [alone.generate([p], SamplingParams(max_new_tokens=n)).completions[0].tokens for p, n in zip(prompts, lengths)]
-    scheduler = Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=3, adaptive=False)
+    scheduler = Scheduler(engine_of(target_dir, draft_dir, 4, overlap=overlap), num_speculative_tokens=3, adaptive=False)
     completions, _ = collect(scheduler, prompts, [SamplingParams(max_new_tokens=n) for n in lengths], join_every)
     assert [c.tokens for c in completions] == expected
 
@@ -110,18 +111,21 @@ def test_sampling_under_continuous_batching_follows_the_target(small_vocab_model
     assert chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0)) > 1e-3
 
 
-def test_a_cancelled_request_frees_its_row_and_too_long_requests_are_refused(tiny_models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_cancelled_request_frees_its_row_and_too_long_requests_are_refused(tiny_models, overlap):
     target_dir, draft_dir = tiny_models["qwen2"]
-    scheduler = Scheduler(engine_of(target_dir, draft_dir, 2), num_speculative_tokens=2, adaptive=False)
-    done = []
-    request = Request([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True), on_done=done.append)
+    scheduler = Scheduler(engine_of(target_dir, draft_dir, 2, overlap=overlap), num_speculative_tokens=2, adaptive=False)
+    done, heard = [], []
+    request = Request([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True), on_done=done.append, on_tokens=heard.append)
     scheduler.submit(request)
     for _ in range(3):
         scheduler.step()
     assert scheduler.num_running == 1 and len(done) == 0
     request.cancelled.set()
+    before = len(heard)
     scheduler.step()
-    assert scheduler.num_running == 0 and done == []
+    assert scheduler.num_running == 0 and done == [] and len(heard) == before  # the step in flight is not handed out
+    scheduler.drain()
     with pytest.raises(EngineError, match="exceed max_seq_len"):
         scheduler.submit(Request([1] * 30, SamplingParams(max_new_tokens=40)))
 
@@ -168,8 +172,8 @@ def test_a_seeded_request_gets_the_same_tokens_alone_or_joining_a_busy_batch(tin
     prompts = random_prompts(5, 97, seed=3)
     alone, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False, seed=1),
                        [prompts[0]], seeded)
-    for join_every in (0, 2):
-        crowd, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False, seed=2),
+    for join_every, overlap in ((0, False), (2, False), (2, True)):
+        crowd, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4, overlap=overlap), num_speculative_tokens=2, adaptive=False, seed=2),
                            prompts[1:3] + [prompts[0]] + prompts[3:], [others, others, seeded, others, others], join_every)
         assert crowd[2].tokens == alone[0].tokens
         assert crowd[0].tokens != crowd[1].tokens or prompts[1] != prompts[2]

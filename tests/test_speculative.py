@@ -19,10 +19,11 @@ def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(n)]
 
 
-def engines(target_dir, draft_dir, batch):
-    # float64: the check is of the algorithm, not of float rounding between 1-token and K+1-token forwards
+def engines(target_dir, draft_dir, batch, overlap: bool = False):
+    # float64: the check is of the algorithm, not of float rounding between 1-token and K+1-token forwards.
+    # overlap: each step launched before the last one's tokens are read, as on a GPU
     target, draft = load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64)
-    return Engine(target, draft, max_batch_size=batch, max_seq_len=64)
+    return Engine(target, draft, max_batch_size=batch, max_seq_len=64, overlap=overlap)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -30,7 +31,7 @@ def test_greedy_speculative_equals_target_greedy(tiny_models, family):
     target_dir, draft_dir = tiny_models[family]
     prompts = random_prompts(NUM_PROMPTS, 97, seed=FAMILIES.index(family))
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    one, wide = engines(target_dir, draft_dir, 1), engines(target_dir, draft_dir, 51)
+    one, wide = engines(target_dir, draft_dir, 1), engines(target_dir, draft_dir, 51, overlap=True)
     chunks = [prompts[i:i + 50] for i in range(0, NUM_PROMPTS, 50)]  # rows of different lengths, each accepting its own count
     expected = [c.tokens for chunk in chunks for c in wide.generate(chunk, params).completions]
     # one sampled row makes the whole step verify through the rejection sampler: greedy rows with one-hot
@@ -88,19 +89,24 @@ def test_greedy_prompt_lookup_equals_target_greedy(tiny_models):
         assert sum(run.stats.num_accepted_tokens for run in runs) > 0
 
 
-def test_spec_stats_count_tau_and_acceptance(tiny_models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_spec_stats_count_tau_and_acceptance(tiny_models, overlap):
     target_dir, _ = tiny_models["llama"]
-    engine = engines(target_dir, target_dir, 1)  # the target as its own draft accepts everything
-    got = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1 + 3 * 5), num_speculative_tokens=4)
+    engine = engines(target_dir, target_dir, 1, overlap)  # the target as its own draft accepts everything
+    streamed = []
+    got = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1 + 3 * 5), num_speculative_tokens=4,
+                          on_tokens=lambda row, tokens: streamed.append(len(tokens)))
     assert got.stats.acceptance_rate == 1.0
     assert got.stats.tau == 5.0
-    assert got.target_steps == 3
+    assert got.target_steps == 3  # with overlap a fourth step was launched before the third's tokens were read: not counted
     assert got.stats.acceptance_by_position == [1.0] * 4
+    assert streamed == [1, 5, 5, 5]
 
 
-def test_stops(tiny_models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stops(tiny_models, overlap):
     target_dir, draft_dir = tiny_models["qwen2"]
-    engine = engines(target_dir, draft_dir, 1)
+    engine = engines(target_dir, draft_dir, 1, overlap)
     prompt = [5, 6, 7]
     free = engine.generate([prompt], SamplingParams(max_new_tokens=20)).completions[0].tokens
     stop_at = free[6]
