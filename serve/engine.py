@@ -164,6 +164,8 @@ class Engine:
         # launch each step before reading the last one's tokens (Launched): on a GPU the host's work then
         # runs while the device computes; on a CPU, where a launch is the computation, it only adds a step
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._host_buffers: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event]] = {}
+        self._launches = 0
         for model in (target, draft):
             if model is not None:
                 model.setup_cache(max_batch_size, max_seq_len)
@@ -305,9 +307,14 @@ class Engine:
         both = torch.cat([out.num_accepted.unsqueeze(1).to(out.tokens.dtype), out.tokens], dim=1)
         if self.device.type != "cuda":
             return Launched(out, k, both)
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        # two pinned buffers per shape, taken in turn: at most two steps are out at once, and buffers made
+        # per step would be freed (an event recorded) at garbage-collection times, a graph capture among them
+        self._launches += 1
+        key = (*both.shape, self._launches % 2)
+        if key not in self._host_buffers:
+            self._host_buffers[key] = torch.empty(both.shape, dtype=both.dtype, pin_memory=True), torch.cuda.Event()
+        host, ready = self._host_buffers[key]
         host.copy_(both, non_blocking=True)
-        ready = torch.cuda.Event()
         ready.record()
         return Launched(out, k, host, ready)
 
