@@ -37,8 +37,8 @@ standalone)
   ;;
 decode)
   drafts=(--draft "$(newest "$root/runs/publish/*")/bundle/draft")
-  standalone=$(newest "$root/runs/quantize/*/draft")  # only where `standalone` ran on this machine
-  [ -n "$standalone" ] && drafts+=(--draft "$standalone")
+  standalone=$(newest "$root/runs/quantize/*/draft" || true)  # only where `standalone` ran on this machine
+  if [ -n "$standalone" ]; then drafts+=(--draft "$standalone"); fi
   "${cli[@]}" bench decode --device cuda --prompts 8 --new-tokens 256 --batch 16 --k 2 --k 3 --k 4 --k 5 --repeats 3 \
     "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
   ;;
