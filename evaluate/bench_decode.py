@@ -124,7 +124,7 @@ def bench_batch(engine: Engine, method: str, prompts: list[list[int]], new_token
     scheduler = Scheduler(engine, k, adaptive=adaptive)
     # step costs for adaptive K at the full batch, where these requests run (on a GPU: the steps' CUDA graphs,
     # compiled); greedy, so no sampled forwards
-    scheduler.warm_up(sampled=False, batch_sizes=[engine.max_batch_size])
+    scheduler.warm_up(full=False, batch_sizes=[engine.max_batch_size])
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
     def run():

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.serve.eagle import EagleFormatError, EagleHead, check_fits, is_eagle_dir, load_head
-from draftsmith.serve.graphs import GraphedForward, GraphedSteps
+from draftsmith.serve.graphs import GraphedForward, GraphedPrefill, GraphedSteps
 from draftsmith.serve.model import Transformer
 from draftsmith.serve.proposers import DraftModel, EagleProposer, Proposer
 from draftsmith.serve.rejection import Verifier, rejection_sample
@@ -172,6 +172,7 @@ class Engine:
         self.hidden_layers = draft.aux_layers if self.eagle else ()  # what the target hands an EAGLE-3 head
         self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks, hidden_layers=self.hidden_layers)
         self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if isinstance(draft, Transformer) else None
+        self.target_prefill = GraphedPrefill(target, self.hidden_layers, cuda_graphs)
         if self.eagle and self.target_forward.enabled and compile_blocks:
             draft.compile_layers()
         self.draft_proposer = self.proposer()
@@ -233,15 +234,16 @@ class Engine:
         """Both models read the prompts into their caches (rows 0..B-1, or `cache_rows`); the state holds
         each row's first token, drawn from the target's last logits [B, V] (returned too)."""
         B, longest = len(prompts), max(len(p) for p in prompts)
-        tokens = torch.zeros(B, longest, dtype=torch.long, device=self.device)
+        padded = torch.zeros(B, longest, dtype=torch.long)
         for i, prompt in enumerate(prompts):
-            tokens[i, : len(prompt)] = torch.tensor(prompt, device=self.device)
+            padded[i, : len(prompt)] = torch.tensor(prompt)
+        tokens = padded.to(self.device)  # one copy to the device
         positions = torch.arange(longest, device=self.device).expand(B, longest)  # padding lands past each length
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        out = self.target(tokens, positions, logits_at=(lengths - 1).unsqueeze(1), cache_rows=cache_rows,
-                          hidden_layers=self.hidden_layers)
-        last, hidden = out if self.hidden_layers else (out, None)  # hidden states at every position [B, T, F]
-        last = last[:, 0]  # [B, V]: the logits after the last prompt token
+        lengths = torch.tensor([len(p) for p in prompts]).to(self.device)
+        if cache_rows is None:
+            cache_rows = torch.arange(B, device=self.device)
+        # last [B, V]: the logits after each prompt's last token; hidden states at every position [B, T, F]
+        last, hidden = self.target_prefill(tokens, lengths, cache_rows)
         first = sample(probabilities(last.unsqueeze(1), rows), generator).squeeze(1)  # [B]
         draft_hidden = self.draft_proposer.prefill(tokens, positions, lengths, first, hidden, cache_rows) if self.draft_proposer else None
         previous = tokens.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)

@@ -5,7 +5,8 @@ launches all its kernels at once. `GraphedForward` captures one model forward pe
 shape. `GraphedSteps` captures a whole greedy step per (batch, K): the draft's K proposals, the
 target's forward over K+1 tokens, acceptance, an EAGLE-3 head's catch-up and the state's advance, with
 no gap between kernels and no Python in between; the one sync left is reading the step's tokens. On CPU (or with graphs off)
-the same calls run eagerly.
+the same calls run eagerly. `GraphedPrefill` replays the target's prompt forward (prefill) per (batch,
+length) bucket.
 """
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ from draftsmith.serve.model import Transformer
 from draftsmith.serve.proposers import Proposer
 from draftsmith.serve.sampling import RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState, StepOutput, TargetForward, decode_step
+
+
+def bucket(n: int, limit: int) -> int:
+    """The next power of two from n, at most `limit`: the few shapes that graphs are captured for."""
+    size = 1
+    while size < n:
+        size *= 2
+    return min(size, limit)
 
 
 def target_forward(model: Transformer, hidden_layers: tuple[int, ...], fused: bool = False) -> TargetForward:
@@ -114,3 +123,64 @@ class GraphedSteps:
         graph, out = record_graph(lambda: decode_step(target, proposer, state, active, k, rows, None), self.pool)
         self.graphs[(batch, k)] = (graph, state, active, out)
         return self.graphs[(batch, k)]
+
+
+class GraphedPrefill:
+    """The target's prompt forward, replayed from a CUDA graph per (batch, length) bucket. Run eagerly it
+    launches thousands of kernels (~35 ms on an H200 for the demo target's 30 layers, for a few ms of
+    device work), and every running row waits for a joining request's prefill. Padding rows read
+    positions past the cache's end (their writes land in the spare slot); a prompt padded to the
+    bucket's length writes past its own end, positions that decoding rewrites before they are read.
+    Shapes of more than `max_tokens` tokens run eagerly, where the device's work outweighs the launches."""
+
+    MIN_LENGTH = 16
+
+    def __init__(self, model: Transformer, hidden_layers: tuple[int, ...], enabled: bool, max_tokens: int = 8192):
+        self.model, self.hidden_layers, self.max_tokens = model, hidden_layers, max_tokens
+        self.enabled = enabled and model.output.weight.device.type == "cuda"
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor], object]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+
+    def shape(self, batch: int, length: int) -> tuple[int, int] | None:
+        """The bucket a prefill of `batch` prompts of up to `length` tokens replays, or None (eager)."""
+        shape = (bucket(batch, self.model.max_batch_size), bucket(max(length, self.MIN_LENGTH), 1 << 30))
+        fits = shape[1] <= self.model.max_seq_len and shape[0] * shape[1] <= self.max_tokens
+        return shape if self.enabled and fits else None
+
+    @torch.inference_mode()
+    def __call__(self, tokens: Tensor, lengths: Tensor, cache_rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        """tokens [B, T] (prompts right-padded), lengths [B], cache_rows [B] -> the logits after each
+        prompt's last token [B, V] and, for an EAGLE-3 head, the hidden states [B, T, F]."""
+        B, T = tokens.shape
+        shape = self.shape(B, T)
+        if shape is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)  # padding lands past each length
+            out = self.model(tokens, positions, logits_at=(lengths - 1).unsqueeze(1), cache_rows=cache_rows,
+                             hidden_layers=self.hidden_layers)
+            last, hidden = out if self.hidden_layers else (out, None)
+            return last[:, 0], hidden
+        graph, static, out = self.graphs.get(shape) or self.capture(*shape)
+        static["tokens"].zero_()
+        static["tokens"][:B, :T] = tokens
+        static["positions"].fill_(self.model.max_seq_len)  # padding rows: the spare slot
+        static["positions"][:B] = torch.arange(shape[1], device=tokens.device)
+        static["logits_at"].zero_()
+        static["logits_at"][:B, 0] = lengths - 1
+        static["cache_rows"].copy_(cache_rows[:1].expand(shape[0]))  # padding rows write a real row's spare slot
+        static["cache_rows"][:B] = cache_rows
+        graph.replay()
+        last, hidden = out if self.hidden_layers else (out, None)
+        return last[:B, 0].clone(), None if hidden is None else hidden[:B, :T]
+
+    def capture(self, batch: int, length: int):
+        device = self.model.output.weight.device
+        static = {"tokens": torch.zeros(batch, length, dtype=torch.long, device=device),
+                  "positions": torch.full((batch, length), self.model.max_seq_len, dtype=torch.long, device=device),
+                  "logits_at": torch.zeros(batch, 1, dtype=torch.long, device=device),
+                  "cache_rows": torch.zeros(batch, dtype=torch.long, device=device)}
+        # warm-up and capture write the spare slot of cache row 0 only
+        graph, out = record_graph(lambda: self.model(static["tokens"], static["positions"], logits_at=static["logits_at"],
+                                                     cache_rows=static["cache_rows"], hidden_layers=self.hidden_layers),
+                                  self.pool)
+        self.graphs[(batch, length)] = (graph, static, out)
+        return self.graphs[(batch, length)]

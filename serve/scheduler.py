@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.evaluate.cost import expected_tokens
 from draftsmith.serve.engine import Completion, Engine, EngineError, Launched, Logprobs
+from draftsmith.serve.graphs import bucket
 from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
@@ -62,14 +63,6 @@ class StepCostTable:
         return max(range(max_k + 1), key=rate)  # ties go to the smaller K
 
 
-def bucket(n: int, limit: int) -> int:
-    """The batch size a step of n busy rows runs at: the next power of two, at most `limit`."""
-    size = 1
-    while size < n:
-        size *= 2
-    return min(size, limit)
-
-
 class Scheduler:
     def __init__(self, engine: Engine, num_speculative_tokens: int, adaptive: bool = True, prior_alpha: float = 0.5,
                  seed: int | None = None, on_step: Callable[[int, list[int]], None] = lambda k, accepted: None):
@@ -106,17 +99,17 @@ class Scheduler:
         return len(self.waiting)
 
     # -- the engine's thread ----------------------------------------------------------------------
-    def warm_up(self, sampled: bool = True, batch_sizes: Sequence[int] | None = None) -> None:
+    def warm_up(self, full: bool = True, batch_sizes: Sequence[int] | None = None) -> None:
         """Time a whole greedy step at every batch bucket (or those of `batch_sizes`) and K = 0..max (on a
-        GPU this captures each step's CUDA graph) and, if `sampled`, capture the forwards that sampled steps
-        replay, before any request is admitted. A bucket left out is timed when a step first needs it."""
+        GPU this captures each step's CUDA graph) before any request is admitted; a bucket left out is timed
+        when a step first needs it. full: also capture what sampled steps and prompt prefills replay."""
         e = self.engine
         sizes = range(1, e.max_batch_size + 1) if batch_sizes is None else batch_sizes
         buckets = sorted({bucket(n, e.max_batch_size) for n in sizes})
         self.costs = StepCostTable({})
         for b in buckets:
             self._time_steps(b)
-        if sampled and e.target_forward.enabled:  # sampled steps run forward by forward: capture those shapes too
+        if full and e.target_forward.enabled:  # sampled steps run forward by forward: capture those shapes too
             tokens = lambda b, t: torch.zeros(b, t, dtype=torch.long, device=e.device)
             for b in buckets:
                 for t in range(1, self.max_k + 2):
@@ -124,6 +117,11 @@ class Scheduler:
                 if e.draft_forward is not None and self.max_k > 0:
                     for t in (1, 2):  # a draft model's first forward of a step reads 2 tokens
                         e.draft_forward(tokens(b, t), tokens(b, t) + e.max_seq_len)
+                length = e.target_prefill.MIN_LENGTH
+                while (shape := e.target_prefill.shape(b, length)) is not None:
+                    if shape not in e.target_prefill.graphs:
+                        e.target_prefill.capture(*shape)
+                    length *= 2
 
     def _time_steps(self, batch: int) -> None:
         self.costs.step_ms.update({(batch, k): self.engine.time_step(batch, k) for k in range(self.max_k + 1)})

@@ -1,0 +1,99 @@
+"""Where continuous batching's time goes on a GPU: whole-step graph costs at the batch size by K, then
+`4 x batch` greedy requests (the held-out demo prompts, cycled) through the scheduler, plain, at fixed
+K and with adaptive K, with the host time spent launching steps, handing out tokens (waiting for the
+device included) and admitting requests, the K chosen, and a cProfile of the adaptive run's host side.
+
+    python3 -m draftsmith.evaluate.profile_batch --draft BUNDLE/draft [--cache-dir DIR] [--batch 16] [--k 5]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from draftsmith.distill.data import heldout_messages
+from draftsmith.evaluate.bench_decode import chat_prompts
+from draftsmith.pipeline.config import TargetConfig
+from draftsmith.pipeline.target import resolve_target_dir
+from draftsmith.serve.engine import Engine, load_draft
+from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.scheduler import Request, Scheduler
+from draftsmith.serve.weights import load_model
+
+
+def timed_phases(scheduler: Scheduler) -> dict[str, float]:
+    """Wrap the scheduler's launch, hand-out and admission to add up their wall time (seconds)."""
+    spent = Counter()
+    for name in ("_launch", "_hand_out", "_admit"):
+        inner = getattr(scheduler, name)
+
+        def wrapped(*args, inner=inner, name=name):
+            started = time.perf_counter()
+            try:
+                return inner(*args)
+            finally:
+                spent[name] += time.perf_counter() - started
+
+        setattr(scheduler, name, wrapped)
+    return spent
+
+
+def run(scheduler: Scheduler, prompts: list[list[int]], requests: int, new_tokens: int) -> tuple[float, Counter, int]:
+    ks = Counter()
+    scheduler.on_step = lambda k, accepted: ks.update([k])
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for i in range(requests):
+        scheduler.submit(Request(prompts[i % len(prompts)], params))
+    scheduler.drain()
+    torch.cuda.synchronize()
+    return time.perf_counter() - started, ks, requests * new_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--draft", type=Path, required=True)
+    parser.add_argument("--cache-dir", default="~/.cache/draftsmith")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
+    prompts = chat_prompts(target_dir, heldout_messages()[:8])
+    target = load_model(target_dir, torch.bfloat16, "cuda")
+    draft = load_draft(args.draft, torch.bfloat16, "cuda")
+    max_seq_len = max(map(len, prompts)) + args.new_tokens + args.k + 8
+    lines = []
+    for label, d, k, adaptive in (("plain", None, 0, False), (f"K={min(3, args.k)}", draft, min(3, args.k), False),
+                                  (f"adaptive K<={args.k}", draft, args.k, True)):
+        engine = Engine(target, d, max_batch_size=args.batch, max_seq_len=max_seq_len)
+        scheduler = Scheduler(engine, k, adaptive=adaptive)
+        scheduler.warm_up(full=False, batch_sizes=[args.batch])
+        costs = {kk: round(ms, 3) for (b, kk), ms in scheduler.costs.step_ms.items()}
+        run(scheduler, prompts, 4 * args.batch, args.new_tokens)  # warm-up: prefill shapes
+        spent = timed_phases(scheduler)
+        seconds, ks, tokens = run(scheduler, prompts, 4 * args.batch, args.new_tokens)
+        steps = sum(ks.values())
+        lines.append(f"{label:<16} {tokens / seconds:>9.1f} tok/s  {steps:>5} steps  {1000 * seconds / steps:6.3f} ms/step  "
+                     f"launch {1000 * spent['_launch'] / steps:.3f}  hand-out {1000 * spent['_hand_out'] / steps:.3f}  "
+                     f"admit {1000 * spent['_admit']:.1f} ms total  K {dict(sorted(ks.items()))}  graph ms by K {costs}")
+        if adaptive:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            run(scheduler, prompts, 4 * args.batch, args.new_tokens)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+            print(text.getvalue()[-4000:])
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
