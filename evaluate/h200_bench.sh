@@ -7,6 +7,7 @@
 #   bash evaluate/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
 #   bash evaluate/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
 #   bash evaluate/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine
+#   bash evaluate/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 # Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT. LIMIT (seconds)
 # bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest.
 set -euo pipefail
@@ -22,7 +23,7 @@ common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.roo
 eagle=(draft=eagle3 distill.teacher.extra_samples=3 distill.teacher.batch_size=128 distill.batch_size=64
        distill.learning_rate=1e-3 distill.max_steps=2000 distill.eval_every=500)
 
-case "${1:?tests, eagle, standalone, decode, serve or compare}" in
+case "${1:?tests, eagle, standalone, decode, serve, compare or batch}" in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py 2>&1 | tail -15
   ;;
@@ -58,5 +59,8 @@ serve)
 compare)
   "${cli[@]}" bench serve --compare-engine "$(newest "$root/runs/publish/*")/bundle" --device cuda \
     --concurrency 1 --concurrency 16 --duration 20 --out "$out/bench_serve_compare.json"
+  ;;
+batch)
+  python3 -m draftsmith.evaluate.profile_batch --draft "$(newest "$root/runs/publish/*")/bundle/draft" --cache-dir $root/cache
   ;;
 esac
