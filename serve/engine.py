@@ -243,7 +243,7 @@ class Engine:
         if cache_rows is None:
             cache_rows = torch.arange(B, device=self.device)
         # last [B, V]: the logits after each prompt's last token; hidden states at every position [B, T, F]
-        last, hidden = self.target_prefill(tokens, lengths, cache_rows)
+        last, hidden = self.target_prefill(tokens, positions, lengths, cache_rows)
         first = sample(probabilities(last.unsqueeze(1), rows), generator).squeeze(1)  # [B]
         draft_hidden = self.draft_proposer.prefill(tokens, positions, lengths, first, hidden, cache_rows) if self.draft_proposer else None
         previous = tokens.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)

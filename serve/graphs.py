@@ -148,13 +148,13 @@ class GraphedPrefill:
         return shape if self.enabled and fits else None
 
     @torch.inference_mode()
-    def __call__(self, tokens: Tensor, lengths: Tensor, cache_rows: Tensor) -> tuple[Tensor, Tensor | None]:
-        """tokens [B, T] (prompts right-padded), lengths [B], cache_rows [B] -> the logits after each
-        prompt's last token [B, V] and, for an EAGLE-3 head, the hidden states [B, T, F]."""
+    def __call__(self, tokens: Tensor, positions: Tensor, lengths: Tensor, cache_rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        """tokens [B, T] (prompts right-padded), positions [B, T] (0..T-1 in each row), lengths [B],
+        cache_rows [B] -> the logits after each prompt's last token [B, V] and, for an EAGLE-3 head, the
+        hidden states [B, T, F]."""
         B, T = tokens.shape
         shape = self.shape(B, T)
         if shape is None:
-            positions = torch.arange(T, device=tokens.device).expand(B, T)  # padding lands past each length
             out = self.model(tokens, positions, logits_at=(lengths - 1).unsqueeze(1), cache_rows=cache_rows,
                              hidden_layers=self.hidden_layers)
             last, hidden = out if self.hidden_layers else (out, None)

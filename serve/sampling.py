@@ -94,6 +94,11 @@ class RowGenerators:
     shared: torch.Generator | None
     rows: dict[int, torch.Generator]
 
+    @classmethod
+    def of(cls, shared: torch.Generator | None, rows: dict[int, torch.Generator]) -> "Random":
+        """What a batch draws from: the shared generator alone when no row has its own."""
+        return cls(shared, rows) if rows else shared
+
 
 Random = torch.Generator | RowGenerators | None
 

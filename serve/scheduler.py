@@ -218,7 +218,7 @@ class Scheduler:
 
     def _random(self, running: list[Running | None]) -> Random:
         own = {i: r.generator for i, r in enumerate(running) if r is not None and r.generator is not None}
-        return RowGenerators(self.generator, own) if own else self.generator
+        return RowGenerators.of(self.generator, own)
 
     def _row_sampling(self, running: list[Running | None]) -> RowSampling:
         params = tuple(r.request.params if r is not None else IDLE for r in running)
@@ -267,7 +267,7 @@ class Scheduler:
         own = {i: torch.Generator(self.engine.device).manual_seed(r.params.seed) for i, r in enumerate(requests)
                if r.params.seed is not None}
         cache_rows = torch.tensor(rows, device=self.engine.device)
-        prefilled = self.engine.prefill([r.prompt for r in requests], sampling, RowGenerators(self.generator, own) if own else self.generator,
+        prefilled = self.engine.prefill([r.prompt for r in requests], sampling, RowGenerators.of(self.generator, own),
                                         cache_rows=cache_rows)
         return requests, rows, stops, own, prefilled
 

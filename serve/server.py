@@ -139,14 +139,17 @@ class CompletionRequest(Sampling):
     @classmethod
     def some_prompt(cls, prompt):
         """A string or token ids, or a list of several of those (a choice or n for each)."""
-        several = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-        if not all(several):
+        if not all(several(prompt)):
             raise ValueError("the prompt is empty")
         return prompt
 
     def prompts(self) -> list[str | list[int]]:
-        several = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
-        return self.prompt if several else [self.prompt]
+        return several(self.prompt)
+
+
+def several(prompt: str | list) -> list:
+    """The prompts of a completions request's `prompt`: one (a string or token ids) or a list of them."""
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
 class TextPart(BaseModel):
@@ -183,6 +186,11 @@ def token_logprobs(tokenizer, tokens: list[int], logprobs: Logprobs, chat: bool)
     offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
     top = [{piece(t): v for t, v in zip(*logprobs.top_tokens[i])} for i in range(len(texts))] if logprobs.top else None
     return {"tokens": texts, "token_logprobs": logprobs.tokens, "top_logprobs": top, "text_offset": offsets}
+
+
+def token_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's `usage` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -468,9 +476,8 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             body.append({"index": i, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
                          "finish_reason": result.finish_reason,
                          "logprobs": token_logprobs(server.tokenizer, result.tokens, result.logprobs, chat) if result.logprobs else None})
-        prompt_tokens, completion_tokens = sum(len(ids) for ids in prompts), sum(len(r.tokens) for r in results)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-        return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": body, "usage": usage}
+        return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": body,
+                "usage": token_usage(sum(len(ids) for ids in prompts), sum(len(r.tokens) for r in results))}
 
     async def finished(engine_request: EngineRequest, updates: asyncio.Queue, http: Request, started: float):
         """The request's Completion (or exception) once done; None if the client went away first."""
@@ -567,9 +574,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                         yield chunk(index, {"content": text[len(choice.sent):]})
                         choice.sent = text
             if include_usage and len(results) == len(submitted):
-                completion_tokens = sum(len(r.tokens) for r in results.values())
-                yield event({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                                      "total_tokens": prompt_tokens + completion_tokens}})
+                yield event({"choices": [], "usage": token_usage(prompt_tokens, sum(len(r.tokens) for r in results.values()))})
             yield "data: [DONE]\n\n"
         finally:
             for request, _ in submitted:
