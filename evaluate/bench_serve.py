@@ -158,6 +158,9 @@ def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequenc
     thread.start()
     url = f"http://127.0.0.1:{port}"
     while not (http.started and httpx.get(f"{url}/ready", timeout=30).status_code == 200):
+        if server.failed is not None:
+            http.should_exit = True
+            raise RuntimeError(f"the server's warm-up failed: {server.failed}") from server.failed
         if not thread.is_alive():
             raise RuntimeError("the server did not start")
         time.sleep(0.2)

@@ -45,6 +45,18 @@ def main() -> None:
     app()
 
 
+def console_log() -> None:
+    """draftsmith's own INFO lines (the server's warm-up) on stderr, not those of the libraries it uses."""
+    import logging
+
+    log = logging.getLogger("draftsmith")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def complete(query: str) -> None:
     """Shell completion: the commands, and after `run` Hydra's completion of config groups and keys (the
     completion line without `run`, as Hydra would see it for an app of its own)."""
@@ -151,6 +163,7 @@ def bench_serve_command(
     chats = heldout_messages() if prompts == "demo" else [m for m in (to_messages(r, "prompt") for r in read_records(prompts)) if m]
     columns = ("concurrency", "requests", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
     if compare_engine:
+        console_log()
         rows = bench.compare_engine(compare_engine, chats, concurrency, max_tokens, duration, device)
         url, columns = f"draftsmith serve {compare_engine} (in process)", columns + ("engine_tokens_per_s", "server_over_engine")
     else:
@@ -200,7 +213,13 @@ def serve(
     except (BundleError, BundleSourceError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None
-    uvicorn.run(create_app(server, api_key, max_body_bytes), host=host, port=port)
+    console_log()
+    http = uvicorn.Server(uvicorn.Config(create_app(server, api_key, max_body_bytes), host=host, port=port))
+    server.on_failure = lambda: setattr(http, "should_exit", True)
+    http.run()
+    if server.failed is not None:
+        typer.echo(f"the warm-up failed: {server.failed}", err=True)
+        raise typer.Exit(1)
 
 
 bundle_app = typer.Typer(help="Published bundles.", no_args_is_help=True)

@@ -168,6 +168,7 @@ class Engine:
         self._launches = 0
         for model in (target, draft):
             if model is not None:
+                model.requires_grad_(False)  # any path, not only inference-mode ones, builds no autograd graph
                 model.setup_cache(max_batch_size, max_seq_len)
         self.hidden_layers = draft.aux_layers if self.eagle else ()  # what the target hands an EAGLE-3 head
         self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks, hidden_layers=self.hidden_layers)

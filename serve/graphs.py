@@ -172,6 +172,7 @@ class GraphedPrefill:
         last, hidden = out if self.hidden_layers else (out, None)
         return last[:B, 0].clone(), None if hidden is None else hidden[:B, :T]
 
+    @torch.inference_mode()
     def capture(self, batch: int, length: int):
         device = self.model.output.weight.device
         static = {"tokens": torch.zeros(batch, length, dtype=torch.long, device=device),

@@ -10,6 +10,7 @@ speculative or plain step, so output stays exactly the target's.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -25,6 +26,13 @@ from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, Sampli
 from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import StopChecker
+
+log = logging.getLogger("draftsmith")
+
+
+def _memory(device: torch.device) -> str:
+    return f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated" if device.type == "cuda" else ""
+
 
 PROBE_EVERY = 16  # plain steps between speculative probes when adaptive K has turned speculation off
 SMOOTHING = 0.2  # weight of the newest step in a request's acceptance average
@@ -99,6 +107,7 @@ class Scheduler:
         return len(self.waiting)
 
     # -- the engine's thread ----------------------------------------------------------------------
+    @torch.inference_mode()  # no autograd graph: a captured prefill's output would keep every activation alive
     def warm_up(self, full: bool = True, batch_sizes: Sequence[int] | None = None) -> None:
         """Time a whole greedy step at every batch bucket (or those of `batch_sizes`) and K = 0..max (on a
         GPU this captures each step's CUDA graph) before any request is admitted; a bucket left out is timed
@@ -107,8 +116,10 @@ class Scheduler:
         sizes = range(1, e.max_batch_size + 1) if batch_sizes is None else batch_sizes
         buckets = sorted({bucket(n, e.max_batch_size) for n in sizes})
         self.costs = StepCostTable({})
+        started = time.perf_counter()
         for b in buckets:
             self._time_steps(b)
+            log.info("warm-up: steps at batch %d timed (%.0f s%s)", b, time.perf_counter() - started, _memory(e.device))
         if full and e.target_forward.enabled:  # sampled steps run forward by forward: capture those shapes too
             tokens = lambda b, t: torch.zeros(b, t, dtype=torch.long, device=e.device)
             for b in buckets:
@@ -122,6 +133,8 @@ class Scheduler:
                     if shape not in e.target_prefill.graphs:
                         e.target_prefill.capture(*shape)
                     length *= 2
+                log.info("warm-up: batch %d's sampled forwards and prefills captured (%.0f s%s)", b, time.perf_counter() - started,
+                         _memory(e.device))
 
     def _time_steps(self, batch: int) -> None:
         self.costs.step_ms.update({(batch, k): self.engine.time_step(batch, k) for k in range(self.max_k + 1)})

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +29,7 @@ from draftsmith.serve.sampling import SamplingError, SamplingParams
 from draftsmith.serve.scheduler import Request as EngineRequest, Scheduler
 from draftsmith.serve.stats import SpecStats
 
+log = logging.getLogger("draftsmith")
 PREFIX = "draftsmith:"
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_N = 64  # choices per request: each is a row of the running batch
@@ -259,13 +261,22 @@ class Server:
         self.metrics.running.set_function(lambda: self.scheduler.num_running)
         self.metrics.waiting.set_function(lambda: self.scheduler.num_waiting)
         self.ready = False
+        self.failed: Exception | None = None  # the warm-up's error: the server cannot serve
+        self.on_failure: Callable[[], None] | None = None  # told after a failed warm-up (the CLI exits)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """The engine thread: warm-up (step costs, CUDA graphs), then /ready, then the batch loop."""
         def run() -> None:
-            self.scheduler.warm_up()
+            try:
+                self.scheduler.warm_up()
+            except Exception as e:  # noqa: BLE001 - e.g. out of device memory: /health and /ready say so
+                log.exception("the warm-up failed")
+                self.failed = e
+                if self.on_failure is not None:
+                    self.on_failure()
+                return
             self.ready = True
             self.scheduler.serve_forever(self._stop)
 
@@ -393,12 +404,15 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
 
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if server.failed is not None:
+            return JSONResponse(status_code=500, content={"status": "failed", "error": f"the warm-up failed: {server.failed}"})
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        return JSONResponse(status_code=200 if server.ready else 503, content={"ready": server.ready})
+        content = {"ready": server.ready} | ({"error": f"the warm-up failed: {server.failed}"} if server.failed else {})
+        return JSONResponse(status_code=200 if server.ready else 503, content=content)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -136,6 +136,31 @@ def test_alert_rules_and_dashboard_query_metrics_the_server_exports(base_url):
             assert name in exported, f"{name} is queried but not exported"
 
 
+def test_a_failed_warm_up_shows_on_health_and_ready_and_is_told(tiny_chat_target):
+    # the H200 ran out of memory in a warm-up once and the server answered 503 "not ready" forever
+    from transformers import AutoTokenizer
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    engine = Engine(load_model(tiny_chat_target, torch.float32), max_batch_size=2, max_seq_len=64)
+    server = Server(engine, AutoTokenizer.from_pretrained(tiny_chat_target), "tiny", num_speculative_tokens=0, max_model_len=60)
+    server.scheduler.warm_up = out_of_memory
+    told = threading.Event()
+    server.on_failure = told.set
+
+    async def probe() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.get("/health"), await http.get("/ready")
+
+    server.start()
+    assert told.wait(10)
+    health, ready = asyncio.run(probe())
+    assert (health.status_code, health.json()["status"]) == (500, "failed")
+    assert ready.status_code == 503 and "out of memory" in ready.json()["error"]
+
+
 def test_stream_smoothing_sends_bursts_in_small_groups(tiny_chat_target):
     # the target as its own draft: every step keeps K + 1 = 4 tokens, one burst per step unsmoothed
     from transformers import AutoTokenizer

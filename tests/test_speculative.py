@@ -156,6 +156,18 @@ def test_requests_that_do_not_fit_are_refused(tiny_models):
         engine.generate([[1000]], SamplingParams())
 
 
+def test_a_forward_outside_inference_mode_keeps_no_autograd_graph_in_the_cache(tiny_models):
+    # a warm-up that forgot inference mode made the KV cache part of an autograd graph: every forward's
+    # activations stayed alive behind it (134 GiB on an H200)
+    target_dir, draft_dir = tiny_models["llama"]
+    engine = engines(target_dir, draft_dir, 2)
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    engine.target(tokens, torch.arange(3).expand(2, 3))
+    engine.draft(tokens, torch.arange(3).expand(2, 3))
+    caches = [a.cache for model in (engine.target, engine.draft) for a in model.attention_layers()]
+    assert all(c.k.grad_fn is None and c.v.grad_fn is None and not c.k.requires_grad for c in caches)
+
+
 def test_draft_with_another_vocab_is_refused(tiny_models, tmp_path):
     from tests.conftest import save_tiny_model
 
