@@ -122,9 +122,10 @@ def bench_batch(engine: Engine, method: str, prompts: list[list[int]], new_token
                 requests: int, repeats: int, device: str) -> tuple[BenchRow, list[list[int]]]:
     """`requests` requests (the prompts, cycled) through the continuous-batching scheduler."""
     scheduler = Scheduler(engine, k, adaptive=adaptive)
-    # step costs for adaptive K at the full batch, where these requests run (on a GPU: the steps' CUDA graphs,
-    # compiled); greedy, so no sampled forwards
-    scheduler.warm_up(full=False, batch_sizes=[engine.max_batch_size])
+    # step costs for adaptive K at every batch bucket (on a GPU: the steps' CUDA graphs, compiled): the batch
+    # shrinks as the last requests finish, and a bucket first met inside a timed run compiles there (likely why
+    # a W4A16 draft's third run on the H200 took 28 s where the others took ~2 s); greedy: no sampled forwards
+    scheduler.warm_up(full=False)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
     def run():

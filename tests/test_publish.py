@@ -347,3 +347,48 @@ def test_mlflow_records_plain_params_source_tags_artifacts_under_the_run_root_an
     mlflow.set_registry_uri(f"sqlite:///{root / 'mlflow.db'}")
     info = get_model_info("models:/draftsmith-draft/1")
     assert info.signature is not None and [p.name for p in info.signature.params] == ["max_tokens", "temperature", "seed"]
+
+
+@pytest.fixture(scope="module")
+def published_head(tiny_chat_target, tmp_path_factory):
+    """The pipeline with draft=eagle3 up to publish: a bundle whose draft is an EAGLE-3 head."""
+    tmp = tmp_path_factory.mktemp("publish_head")
+    done = draftsmith(*pipeline_args(tiny_chat_target, tmp / "runs"), "draft=eagle3", "draft.vocab_size=512",
+                      "tracking.enabled=false", "stop_after=publish", cwd=tmp)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    bundles = [p / "bundle" for p in (tmp / "runs" / "publish").iterdir() if not p.name.startswith(".")]
+    assert len(bundles) == 1
+    return tmp, bundles[0]
+
+
+def test_an_eagle3_bundle_is_in_the_speculators_format_verifies_and_a_misfit_head_is_refused(published_head, tmp_path):
+    tmp, bundle = published_head
+    spec = verify(bundle)
+    assert spec["method"] == "eagle3" and spec["model"] == "draft"
+    head = json.loads((bundle / "draft" / "config.json").read_text())
+    assert head["speculators_model_type"] == "eagle3" and head["architectures"] == ["Eagle3Speculator"]
+    assert head["speculators_config"]["verifier"]["architectures"] and head["speculators_config"]["verifier"]["name_or_path"]
+    assert len(head["eagle_aux_hidden_state_layer_ids"]) == 3 and head["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert head["draft_vocab_size"] == 512
+    assert head["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == spec["num_speculative_tokens"]
+    assert "--speculative-config" in (bundle / "serve.sh").read_text() and '"eagle3"' in (bundle / "serve.sh").read_text()
+    assert "AWQ" in (bundle / "README.md").read_text()  # the card says the head is not quantized
+    assert draftsmith("bundle", "verify", str(bundle), cwd=tmp).returncode == 0
+
+    misfit = tmp_path / "misfit"
+    shutil.copytree(bundle, misfit)
+    config = misfit / "draft" / "config.json"
+    config.write_text(json.dumps({**head, "target_hidden_size": head["target_hidden_size"] + 32}))
+    write_manifest(misfit)  # made wrong, not tampered with: the head's shape check must catch it
+    hidden = head["target_hidden_size"]  # the fused hidden states' projection no longer fits: vLLM's loader refuses it too
+    with pytest.raises(BundleError, match=re.escape(f"fc.weight ({hidden}, {3 * hidden}) != ({hidden}, {3 * (hidden + 32)})")):
+        verify(misfit)
+
+    flipped = tmp_path / "flipped"
+    shutil.copytree(bundle, flipped)
+    weights = flipped / "draft" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="draft/model.safetensors"):
+        verify(flipped)
