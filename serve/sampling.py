@@ -21,6 +21,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one's probability (0: off)
     seed: int | None = None
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
@@ -36,6 +37,8 @@ class SamplingParams:
             raise SamplingError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise SamplingError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)")
         if self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.top_logprobs < 0:
@@ -53,6 +56,7 @@ class RowSampling:
     top_p: Tensor  # [B]
     top_k: Tensor  # [B], 0 = off
     greedy: Tensor  # [B] bool
+    min_p: Tensor | None = None  # [B], None when no row cuts by min_p
     needs_sort: bool = field(default=False)  # any row with top-p or top-k
     all_greedy: bool = field(default=False)  # argmax suffices: no distributions to build
 
@@ -63,14 +67,19 @@ class RowSampling:
             top_p=torch.tensor([p.top_p for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], device=device),
             greedy=torch.tensor([p.greedy for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device) if any(p.min_p > 0 for p in params) else None,
             needs_sort=any(p.top_p < 1 or p.top_k > 0 for p in params),
             all_greedy=all(p.greedy for p in params),
         )
 
 
 def probabilities(logits: Tensor, rows: RowSampling) -> Tensor:
-    """Token distribution per position after temperature, top-k and top-p: [B, T, V] float32."""
+    """Token distribution per position after temperature, min-p, top-k and top-p (vLLM's order):
+    [B, T, V] float32."""
     logits = logits.float() / rows.temperature.view(-1, 1, 1)
+    if rows.min_p is not None:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < rows.min_p.view(-1, 1, 1) * probs.amax(-1, keepdim=True), float("-inf"))
     if rows.needs_sort:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(logits.shape[-1], device=logits.device)

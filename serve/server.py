@@ -80,6 +80,7 @@ class Sampling(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 turn it off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension: 0 turns it off
     seed: int | None = None  # the request's own generator: the same seed, the same text (at the same K)
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -104,6 +105,7 @@ class Sampling(BaseModel):
         logprobs, top = self.wanted_logprobs()
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
+                              min_p=self.min_p or 0.0,
                               seed=self.seed, max_new_tokens=max_new_tokens, stop=tuple(stop), logprobs=logprobs,
                               top_logprobs=top)
 

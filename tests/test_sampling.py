@@ -26,11 +26,14 @@ def small_vocab_models(tmp_path_factory):
     return target, draft
 
 
-def reference_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """Temperature then nucleus filtering, written directly from the definitions."""
+def reference_probs(logits: np.ndarray, temperature: float, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """Temperature, then min-p, then nucleus filtering, written directly from the definitions."""
     z = logits / temperature
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    if min_p > 0:
+        p = np.where(p >= min_p * p.max(-1, keepdims=True), p, 0.0)
+        p /= p.sum(-1, keepdims=True)
     if top_p < 1:
         out = np.zeros_like(p)
         for row in range(p.shape[0]):
@@ -42,7 +45,7 @@ def reference_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.
     return p
 
 
-def exact_joint(target_dir, temperature: float, top_p: float) -> np.ndarray:
+def exact_joint(target_dir, temperature: float, top_p: float, min_p: float = 0.0) -> np.ndarray:
     """P(t1, t2, t3) for the target: [V, V, V]."""
     from transformers import AutoModelForCausalLM
 
@@ -52,9 +55,9 @@ def exact_joint(target_dir, temperature: float, top_p: float) -> np.ndarray:
     with torch.no_grad():
         logits = model(sequences).logits.numpy()
     n = len(PROMPT)
-    p1 = reference_probs(logits[:1, n - 1], temperature, top_p)[0]  # [V]
-    p2 = reference_probs(logits[::VOCAB, n], temperature, top_p)  # [V(t1), V]
-    p3 = reference_probs(logits[:, n + 1], temperature, top_p).reshape(VOCAB, VOCAB, VOCAB)
+    p1 = reference_probs(logits[:1, n - 1], temperature, top_p, min_p)[0]  # [V]
+    p2 = reference_probs(logits[::VOCAB, n], temperature, top_p, min_p)  # [V(t1), V]
+    p3 = reference_probs(logits[:, n + 1], temperature, top_p, min_p).reshape(VOCAB, VOCAB, VOCAB)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
@@ -104,11 +107,13 @@ def accept_only_equal_samples(draft_tokens, draft_probs, target_probs, generator
 SETTINGS = [(0.7, 1.0), (1.0, 1.0), (1.0, 0.9)]
 
 
-@pytest.mark.parametrize("temperature,top_p,k", [(t, p, 2) for t, p in SETTINGS] + [(1.0, 1.0, 1)])
-def test_speculative_sampling_matches_target_distribution(small_vocab_models, temperature, top_p, k):
+@pytest.mark.parametrize("temperature,top_p,min_p,k", [(t, p, 0.0, 2) for t, p in SETTINGS] + [(1.0, 1.0, 0.0, 1), (1.0, 1.0, 0.3, 2)])
+def test_speculative_sampling_matches_target_distribution(small_vocab_models, temperature, top_p, min_p, k):
     target_dir, draft_dir = small_vocab_models
-    joint = exact_joint(target_dir, temperature, top_p)
-    params = SamplingParams(temperature=temperature, top_p=top_p, seed=1234, max_new_tokens=3)
+    joint = exact_joint(target_dir, temperature, top_p, min_p)
+    if min_p:  # the cut removes part of the support (the test checks nothing is sampled there)
+        assert (joint == 0).any()
+    params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, seed=1234, max_new_tokens=3)
     tokens, stats = speculative_samples(target_dir, draft_dir, params, k=k)
     assert 0.05 < stats.acceptance_rate < 0.95  # both acceptance and rejection are exercised
     first_two = chi_square_p(tokens[:, 0] * VOCAB + tokens[:, 1], joint.sum(2))
@@ -156,7 +161,7 @@ def test_top_k_keeps_the_k_most_likely():
     assert probs.sum().item() == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(max_new_tokens=0)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.5), dict(max_new_tokens=0)])
 def test_bad_sampling_parameters_are_refused(bad):
     with pytest.raises(SamplingError, match=next(iter(bad))):
         SamplingParams(**bad)

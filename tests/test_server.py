@@ -237,7 +237,7 @@ def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
     assert rest.usage.completion_tokens > 16 or rest.choices[0].finish_reason == "stop"
 
 
-def test_a_seed_repeats_the_text_and_top_k_1_is_greedy(base_url):
+def test_a_seed_repeats_the_text_and_top_k_1_and_min_p_1_are_greedy(base_url):
     openai = client(base_url)
     ask = lambda seed, max_tokens=24, **kw: openai.completions.create(model="tiny", prompt="Balance inquiry:", temperature=1.0,
                                                                       max_tokens=max_tokens, seed=seed, **kw).choices[0].text
@@ -246,6 +246,10 @@ def test_a_seed_repeats_the_text_and_top_k_1_is_greedy(base_url):
 
     greedy = openai.completions.create(model="tiny", prompt="Balance inquiry:", max_tokens=12, temperature=0).choices[0].text
     assert ask(None, max_tokens=12, extra_body={"top_k": 1}) == greedy  # vLLM's extension, as its clients send it
+    assert ask(None, max_tokens=12, extra_body={"min_p": 1.0}) == greedy  # only the likeliest token is left
+    refused = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                         json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "min_p": 1.5})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_p"
 
 
 def test_logprobs_are_the_targets_own(base_url, tiny_chat_target):
