@@ -17,7 +17,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator, Callable, Literal
+from typing import AsyncIterator, Callable, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,6 +74,7 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """The sampling fields both endpoints take; null means the default, as in OpenAI's API."""
+    ECHOES: ClassVar[bool] = False  # `echo` (the prompt before the completion): the completions API only
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context (OpenAI and vLLM do the same)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
@@ -121,8 +122,10 @@ class Sampling(BaseModel):
             return "top_logprobs" if self.top_logprobs else "logprobs", f"at most {MAX_TOP_LOGPROBS} alternatives per token"
         if top and not logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and not self.ECHOES:
+            return "echo", "echo is supported by the completions API only"
+        if self.echo and logprobs:
+            return "echo", "echo with logprobs is not supported (the prompt's log-probabilities are not computed)"
         if self.tools:
             return "tools", "tool calls are not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -131,6 +134,7 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
+    ECHOES: ClassVar[bool] = True
     prompt: str | list[int] | list[str] | list[list[int]]
 
     def wanted_logprobs(self) -> tuple[bool, int]:
@@ -462,6 +466,9 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                      for i in range(request.n or 1)]
         if len(jobs) > MAX_N:
             return error(400, f"n: at most {MAX_N} choices per request (prompts x n)", "n")
+        # echo: each choice's text starts with its prompt (token ids decoded)
+        echoes = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in request.prompts() for _ in range(request.n or 1)] \
+            if request.echo else [""] * len(jobs)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         started = time.perf_counter()
@@ -475,8 +482,8 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             return error(400, str(e))
         if request.stream:
             usage = request.stream_options is not None and request.stream_options.include_usage
-            return StreamingResponse(stream(submitted, rid, created, kind, chat, started, sum(len(ids) for ids in prompts), usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream(submitted, rid, created, kind, chat, started, sum(len(ids) for ids in prompts), usage,
+                                            echoes), media_type="text/event-stream")
         try:
             results = [await finished(*one, http, started) for one in submitted]
         finally:
@@ -488,7 +495,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             return error(500, f"generation failed: {failed}")
         body = []
         for i, result in enumerate(results):
-            text = server.text_of(result)
+            text = echoes[i] + server.text_of(result)
             body.append({"index": i, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
                          "finish_reason": result.finish_reason,
                          "logprobs": token_logprobs(server.tokenizer, result.tokens, result.logprobs, chat) if result.logprobs else None})
@@ -525,10 +532,10 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             server.metrics.tpot.observe((now - first_at) / (len(completion.tokens) - 1))
 
     async def stream(submitted: list[tuple[EngineRequest, asyncio.Queue]], rid, created, kind, chat, started,
-                     prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+                     prompt_tokens: int, include_usage: bool, echoes: list[str]) -> AsyncIterator[str]:
         """SSE chunks of every choice as its tokens are kept (in groups of `smooth_stream`, evenly paced,
-        when set), with those tokens' log-probabilities when asked for; a client that goes away frees its
-        rows at the scheduler's next step."""
+        when set), with those tokens' log-probabilities when asked for, after its echoed prompt if any; a
+        client that goes away frees its rows at the scheduler's next step."""
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         event = lambda body: "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                                     "model": server.model_name, **body}) + "\n\n"
@@ -554,10 +561,10 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
         choices = [Streamed(last_burst=started) for _ in submitted]
         results: dict[int, Completion] = {}
         try:
-            if chat:
-                for index in range(len(submitted)):
+            for index, echo in enumerate(echoes):
+                if chat or echo:
                     yield event({"choices": [{"index": index, "finish_reason": None, "logprobs": None,
-                                              "delta": {"role": "assistant", "content": ""}}]})
+                                              **({"delta": {"role": "assistant", "content": ""}} if chat else {"text": echo})}]})
             while len(results) < len(submitted):
                 index, item = await merged.get()
                 request, choice = submitted[index][0], choices[index]

@@ -237,6 +237,29 @@ def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
     assert rest.usage.completion_tokens > 16 or rest.choices[0].finish_reason == "stop"
 
 
+def test_echo_puts_the_prompt_before_the_completion_streamed_or_not(base_url):
+    import openai as openai_errors
+
+    openai = client(base_url)
+    ask = lambda prompt, **kw: openai.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, **kw)
+    plain = ask("Card declined abroad").choices[0].text
+    echoed = ask("Card declined abroad", echo=True)
+    assert echoed.choices[0].text == "Card declined abroad" + plain
+    assert echoed.usage.completion_tokens == ask("Card declined abroad").usage.completion_tokens
+    streamed = "".join(c.choices[0].text for c in ask("Card declined abroad", echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+    ids = [1, 5, 9]
+    from_ids = ask(ids, echo=True, n=2).choices
+    assert [c.index for c in from_ids] == [0, 1] and from_ids[0].text == from_ids[1].text
+    assert from_ids[0].text.endswith(ask(ids).choices[0].text) and len(from_ids[0].text) > len(ask(ids).choices[0].text)
+    with pytest.raises(openai_errors.BadRequestError) as refused:
+        ask("Card", echo=True, logprobs=1)
+    assert refused.value.body["param"] == "echo"
+    chat = httpx.post(f"{base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "echo": True})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
+
+
 def test_a_seed_repeats_the_text_and_top_k_1_and_min_p_1_are_greedy(base_url):
     openai = client(base_url)
     ask = lambda seed, max_tokens=24, **kw: openai.completions.create(model="tiny", prompt="Balance inquiry:", temperature=1.0,
