@@ -466,9 +466,9 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                      for i in range(request.n or 1)]
         if len(jobs) > MAX_N:
             return error(400, f"n: at most {MAX_N} choices per request (prompts x n)", "n")
-        # echo: each choice's text starts with its prompt (token ids decoded)
-        echoes = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in request.prompts() for _ in range(request.n or 1)] \
-            if request.echo else [""] * len(jobs)
+        # echo: each choice's text starts with its prompt (token ids decoded, off the event loop)
+        echo = lambda: [p if isinstance(p, str) else server.tokenizer.decode(p) for p in request.prompts() for _ in range(request.n or 1)]
+        echoes = await asyncio.to_thread(echo) if request.echo else [""] * len(jobs)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         started = time.perf_counter()
