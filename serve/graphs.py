@@ -172,6 +172,14 @@ class GraphedPrefill:
         last, hidden = out if self.hidden_layers else (out, None)
         return last[:B, 0].clone(), None if hidden is None else hidden[:B, :T]
 
+    def capture_all(self, batch: int) -> None:
+        """Capture every length bucket that a prefill of `batch` prompts replays (a warm-up's work)."""
+        length = self.MIN_LENGTH
+        while (shape := self.shape(batch, length)) is not None:
+            if shape not in self.graphs:
+                self.capture(*shape)
+            length *= 2
+
     @torch.inference_mode()
     def capture(self, batch: int, length: int):
         device = self.model.output.weight.device

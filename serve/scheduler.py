@@ -107,7 +107,6 @@ class Scheduler:
         return len(self.waiting)
 
     # -- the engine's thread ----------------------------------------------------------------------
-    @torch.inference_mode()  # no autograd graph: a captured prefill's output would keep every activation alive
     def warm_up(self, full: bool = True, batch_sizes: Sequence[int] | None = None) -> None:
         """Time a whole greedy step at every batch bucket (or those of `batch_sizes`) and K = 0..max (on a
         GPU this captures each step's CUDA graph) before any request is admitted; a bucket left out is timed
@@ -128,11 +127,7 @@ class Scheduler:
                 if e.draft_forward is not None and self.max_k > 0:
                     for t in (1, 2):  # a draft model's first forward of a step reads 2 tokens
                         e.draft_forward(tokens(b, t), tokens(b, t) + e.max_seq_len)
-                length = e.target_prefill.MIN_LENGTH
-                while (shape := e.target_prefill.shape(b, length)) is not None:
-                    if shape not in e.target_prefill.graphs:
-                        e.target_prefill.capture(*shape)
-                    length *= 2
+                e.target_prefill.capture_all(b)
                 log.info("warm-up: batch %d's sampled forwards and prefills captured (%.0f s%s)", b, time.perf_counter() - started,
                          _memory(e.device))
 
