@@ -6,8 +6,9 @@ for and counted. Reported per level: requests, errors, output tokens/s over the 
 and time to first token and time per output token (p50, p99). Output tokens come from the final
 usage chunk (`stream_options.include_usage`), which both servers send.
 
-`compare_engine` serves a bundle from this process, loads it at each level, then drives the same
-server's scheduler directly (no HTTP, no tokenization per request, same prompts, max_tokens and greedy
+`compare_engine` serves a bundle from this process and loads it at each level from a process of its
+own (as real clients are: their Python work does not contend for the server's interpreter lock), then
+drives the same server's scheduler directly (no HTTP, no tokenization per request, same prompts, max_tokens and greedy
 settings) with the same number of requests always in flight: each level gains the engine's tokens/s
 and the server's share of it.
 """
@@ -141,8 +142,10 @@ def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequenc
                    device: str = "auto", dtype: str = "bfloat16", max_model_len: int = 2048, max_batch_size: int = 16) -> list[dict]:
     """Server rows (as bench_serve) for `draftsmith serve <bundle>` run in this process, each with the
     engine's tokens/s at the same concurrency and the ratio server / engine."""
+    import multiprocessing
     import socket
     import threading
+    from concurrent.futures import ProcessPoolExecutor
 
     import httpx
     import uvicorn
@@ -165,7 +168,8 @@ def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequenc
             raise RuntimeError("the server did not start")
         time.sleep(0.2)
     try:
-        rows = bench_serve(url, prompts, concurrencies, max_tokens, duration)
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+            rows = clients.submit(bench_serve, url, prompts, concurrencies, max_tokens, duration, None, server.model_name).result()
     finally:
         http.should_exit = True
         thread.join()  # the lifespan's end stops the scheduler's thread: the engine is ours alone now

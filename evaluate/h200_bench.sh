@@ -9,7 +9,8 @@
 #   bash evaluate/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine
 #   bash evaluate/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 # Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT. LIMIT (seconds)
-# bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest.
+# bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest. STEPS: the
+# EAGLE-3 head's training steps (2000).
 set -euo pipefail
 root=/root/draftsmith-gpu
 out=${OUT:-/tmp/out}
@@ -19,9 +20,10 @@ limit=${LIMIT:-540}
 newest() { ls -td $1 2>/dev/null | head -1; }
 get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8011$1').read().decode())"; }
 common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs)
-# the EAGLE-3 head: 3 more sampled responses per training prompt, 64 sequences a step
+# the EAGLE-3 head: 3 more sampled responses per training prompt, 64 sequences a step, STEPS steps
+steps=${STEPS:-2000}
 eagle=(draft=eagle3 distill.teacher.extra_samples=3 distill.teacher.batch_size=128 distill.batch_size=64
-       distill.learning_rate=1e-3 distill.max_steps=2000 distill.eval_every=500)
+       distill.learning_rate=1e-3 distill.max_steps=$steps distill.eval_every=$((steps < 500 ? steps : 500)))
 
 case "${1:?tests, eagle, standalone, decode, serve, compare or batch}" in
 tests)

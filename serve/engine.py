@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -142,6 +143,18 @@ def detokenizer_of(model_dir: Path) -> Detokenize | None:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def make_proposer(target: Transformer, draft: Transformer | EagleHead | None, draft_forward: GraphedForward | None,
+                  fused: bool) -> Proposer | None:
+    """A draft as a proposer; fused: with compiled forwards (inside whole-step graphs), else through
+    `draft_forward` (a draft model's graphed forward)."""
+    if draft is None:
+        return None
+    if isinstance(draft, EagleHead):
+        return EagleProposer(draft, target.tok_embeddings, fused)
+    forward = (lambda tokens, positions: draft(tokens, positions, fused=True)) if fused else draft_forward
+    return DraftModel(draft, forward, target.args.vocab_size)
+
+
 class Engine:
     """Decoding over a target and, optionally, a draft: a small LM (Transformer) or an EAGLE-3 head."""
 
@@ -177,9 +190,11 @@ class Engine:
         if self.eagle and self.target_forward.enabled and compile_blocks:
             draft.compile_layers()
         self.draft_proposer = self.proposer()
-        # greedy steps with the engine's draft (or plain) run as one graph each; the rest forward by forward
-        self.step_graphs = (GraphedSteps(target, self.hidden_layers, lambda: self.proposer(fused=True), self.draft_hidden_size)
-                            if self.target_forward.enabled else None)
+        # greedy steps with the engine's draft (or plain) run as one graph each; the rest forward by forward.
+        # The graphs' proposer factory holds no reference to the engine: a dropped engine frees its graphs
+        # at once rather than at a garbage collection, which must not come during another engine's capture
+        self.step_graphs = (GraphedSteps(target, self.hidden_layers, partial(make_proposer, target, draft, None, True),
+                                         self.draft_hidden_size) if self.target_forward.enabled else None)
 
     @property
     def draft_hidden_size(self) -> int | None:
@@ -188,12 +203,7 @@ class Engine:
 
     def proposer(self, fused: bool = False) -> Proposer | None:
         """The engine's draft as a proposer; fused: with compiled forwards (inside whole-step graphs)."""
-        if self.draft is None:
-            return None
-        if self.eagle:
-            return EagleProposer(self.draft, self.target.tok_embeddings, fused)
-        forward = (lambda tokens, positions: self.draft(tokens, positions, fused=True)) if fused else self.draft_forward
-        return DraftModel(self.draft, forward, self.target.args.vocab_size)
+        return make_proposer(self.target, self.draft, self.draft_forward, fused)
 
     def idle_state(self, batch: int) -> DecodeState:
         """Rows parked past the cache's end (DecodeState.idle), with the draft's hidden state if it keeps one."""

@@ -10,6 +10,7 @@ length) bucket.
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -46,8 +47,16 @@ def record_graph(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, 
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    # no garbage collection during the capture: a graph freed by it (a dropped engine's, held in a reference
+    # cycle) resets on a capturing stream, which invalidates the capture
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 

@@ -3,7 +3,7 @@
 Each step runs the occupied rows (the prefix up to the highest busy row, rounded up to a power of two
 so that CUDA graphs are captured for a few shapes only), speculative or plain. With adaptive K the
 step's K is the one with the most expected tokens per second, from each running request's own
-acceptance (a moving average of what the target accepted of its drafts) and the step costs measured
+acceptance (Acceptance: its estimate of alpha from what the target kept of its drafts) and the step costs measured
 at warm-up for that batch size; K = 0 (plain decoding) when no K beats it, with a probe every
 `PROBE_EVERY` plain steps so that a request's acceptance can recover. Every step is the engine's own
 speculative or plain step, so output stays exactly the target's.
@@ -35,7 +35,8 @@ def _memory(device: torch.device) -> str:
 
 
 PROBE_EVERY = 16  # plain steps between speculative probes when adaptive K has turned speculation off
-SMOOTHING = 0.2  # weight of the newest step in a request's acceptance average
+SMOOTHING = 0.2  # how much of a request's acceptance record each step forgets
+PRIOR_WEIGHT = 2.0  # drafts' worth of evidence that the prior alpha counts for
 IDLE = SamplingParams()  # what an empty row of the batch "samples" with (greedy; its output is dropped)
 
 
@@ -53,10 +54,32 @@ class Request:
 
 
 @dataclass
+class Acceptance:
+    """A request's draft acceptance rate alpha: the chance that the target keeps a draft token, given that
+    it kept the ones before. A step of K drafts with `a` kept tried a + 1 drafts (the first one refused)
+    when a < K, and K when all were kept: alpha's estimate is kept / tried, over decaying sums that start
+    from the prior. (The fraction kept, a / K, is no estimate of it: with alpha 0.8 and K = 7 it is 0.45.)"""
+    kept: float
+    tried: float
+
+    @classmethod
+    def prior(cls, alpha: float) -> "Acceptance":
+        return cls(alpha * PRIOR_WEIGHT, PRIOR_WEIGHT)
+
+    @property
+    def alpha(self) -> float:
+        return self.kept / self.tried
+
+    def record(self, k: int, kept: int) -> None:
+        self.kept = (1 - SMOOTHING) * self.kept + kept
+        self.tried = (1 - SMOOTHING) * self.tried + kept + (kept < k)
+
+
+@dataclass
 class Running:
     request: Request
     stop: StopChecker
-    alpha: float  # moving average of the fraction of its drafts the target accepted
+    acceptance: Acceptance
     generator: torch.Generator | None = None  # the request's own, when it gave a seed
 
 
@@ -118,7 +141,8 @@ class Scheduler:
         started = time.perf_counter()
         for b in buckets:
             self._time_steps(b)
-            log.info("warm-up: steps at batch %d timed (%.0f s%s)", b, time.perf_counter() - started, _memory(e.device))
+            costs = ", ".join(f"K={k} {self.costs.step_ms[(b, k)]:.2f}" for k in range(self.max_k + 1))
+            log.info("warm-up: steps at batch %d timed, ms: %s (%.0f s%s)", b, costs, time.perf_counter() - started, _memory(e.device))
         if full and e.target_forward.enabled:  # sampled steps run forward by forward: capture those shapes too
             tokens = lambda b, t: torch.zeros(b, t, dtype=torch.long, device=e.device)
             for b in buckets:
@@ -178,7 +202,7 @@ class Scheduler:
     def _launch(self, busy: list[int]) -> tuple[Launched, list[Running | None]]:
         n = bucket(busy[-1] + 1, self.engine.max_batch_size)
         running = self.rows[:n]
-        k = self._choose_k(n, [r.alpha for r in running if r is not None])
+        k = self._choose_k(n, [r.acceptance.alpha for r in running if r is not None])
         active = self._active(tuple(r is not None for r in running))
         state = self.state.rows(n)  # views: they advance in place
         return self.engine.launch(state, active, k, self._row_sampling(running), self._random(running),
@@ -206,7 +230,7 @@ class Scheduler:
             for r, a in zip(live, accepted):
                 if r is not None:
                     r.request.stats.record(k, [a])
-                    r.alpha = (1 - SMOOTHING) * r.alpha + SMOOTHING * a / k
+                    r.acceptance.record(k, a)
         else:
             self.plain_steps += 1
         self.on_step(k, [a for r, a in zip(live, accepted) if r is not None] if k > 0 else [])
@@ -262,7 +286,7 @@ class Scheduler:
                                    lambda i, tokens: requests[i].on_tokens(tokens))
             for i, (request, row, stop) in enumerate(zip(requests, rows, stops)):
                 self.state.set_row(row, state, source=i)
-                self.rows[row] = Running(request, stop, self.prior_alpha, generators.get(i))
+                self.rows[row] = Running(request, stop, Acceptance.prior(self.prior_alpha), generators.get(i))
                 if stop.finish_reason is not None:
                     self._finish(row)
 

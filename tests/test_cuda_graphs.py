@@ -76,3 +76,24 @@ def test_compiled_step_graphs_speculative_equals_plain(tiny_models, kind, head_d
     assert outputs(e, prompts, 3, 4) == plain
     sampled = e.generate(prompts[:4], SamplingParams(temperature=0.8, max_new_tokens=16, seed=0), num_speculative_tokens=3)
     assert all(len(c.tokens) == 16 for c in sampled.completions)  # sampled rows take the forward-by-forward path
+
+
+def test_a_dropped_engine_frees_its_graphs_at_once_and_a_later_capture_succeeds(tiny_models, kind, head_dir):
+    # the evaluate stage makes an engine per proposer on one target: a dropped engine held in a reference
+    # cycle kept its graphs until a garbage collection, which, coming during the next engine's capture,
+    # reset them on the capturing stream and invalidated that capture
+    import gc
+    import weakref
+
+    first = engine(tiny_models, torch.float32, 4, True, kind=kind, head_dir=head_dir)
+    first.time_step(4, 2)
+    assert first.step_graphs.graphs
+    dropped = weakref.ref(first)
+    gc.disable()
+    try:
+        del first
+        assert dropped() is None  # freed by its reference count, with no collection
+    finally:
+        gc.enable()
+    second = engine(tiny_models, torch.float32, 4, True, kind=kind, head_dir=head_dir)
+    assert second.time_step(4, 3) > 0 and (4, 3) in second.step_graphs.graphs

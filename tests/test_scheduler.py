@@ -7,7 +7,7 @@ import torch
 
 from draftsmith.serve.engine import Engine, EngineError
 from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.scheduler import Request, Scheduler, StepCostTable, bucket
+from draftsmith.serve.scheduler import Acceptance, Request, Scheduler, StepCostTable, bucket
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_tiny_model
 from tests.test_sampling import PROMPT, VOCAB, chi_square_p, exact_joint, small_vocab_models  # noqa: F401
@@ -95,6 +95,30 @@ def test_best_k_follows_the_cost_model():
     expensive = StepCostTable({(1, k): k * 12.0 + target_ms(k) for k in range(9)})
     assert expensive.best_k(1, [0.6], 8) == 0  # a draft step as dear as the target's never pays
     assert [bucket(n, 12) for n in (1, 2, 3, 5, 9, 12)] == [1, 2, 4, 8, 12, 12]
+
+
+def test_a_requests_acceptance_estimates_alpha_not_the_fraction_of_drafts_kept():
+    # each draft kept with probability alpha while the ones before it were: a step of K keeps a geometric
+    # run; the fraction kept (0.45 at alpha 0.8 and K = 7) would make adaptive K pick far too small a K
+    import random
+
+    target_ms = lambda k: 10.0 + 2 * (k + 1)
+    costs = StepCostTable({(1, k): k * 1.0 + target_ms(k) for k in range(9)})
+    for alpha, k in ((0.8, 7), (0.5, 3), (0.95, 5)):
+        draw, acceptance, estimates, fractions = random.Random(0), Acceptance.prior(0.5), [], []
+        for _ in range(3000):
+            kept = 0
+            while kept < k and draw.random() < alpha:
+                kept += 1
+            acceptance.record(k, kept)
+            estimates.append(acceptance.alpha)
+            fractions.append(kept / k)
+        mean = sum(estimates[100:]) / len(estimates[100:])
+        assert abs(mean - alpha) < 0.03, (alpha, k, mean)
+        assert costs.best_k(1, [mean], 8) == costs.best_k(1, [alpha], 8)
+        if alpha == 0.8:  # what a / K says of it
+            assert sum(fractions) / len(fractions) < 0.5 and costs.best_k(1, [0.5], 8) < costs.best_k(1, [alpha], 8)
+    assert Acceptance.prior(0.5).alpha == 0.5
 
 
 def test_sampling_under_continuous_batching_follows_the_target(small_vocab_models):  # noqa: F811
