@@ -74,13 +74,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2)
     args = parser.parse_args()
     target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
-    grouped = model.GROUPED_ATTENTION_MAX_TOKENS
+    grouped = model.GROUPED_ATTENTION_MAX_WORK
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = args.draft or build_from_target(
             target_dir, Path(tmp) / "draft", every_nth_layer(read_config(target_dir)["num_hidden_layers"], 4))
-        for label, max_tokens in ((", sdpa", 0), ("", grouped)):  # torch's fused attention; then the runtime's
-            model.GROUPED_ATTENTION_MAX_TOKENS = max_tokens
+        for label, max_work in ((", sdpa", 0), ("", grouped)):  # torch's fused attention; then the runtime's choice
+            model.GROUPED_ATTENTION_MAX_WORK = max_work
             more, target = timings(target_dir, draft_dir, label)
             rows += more
     for t in (1, args.k + 1):

@@ -330,11 +330,24 @@ class Server:
 class Streamed:
     """One choice of a stream: what it has received and what went out."""
     tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the tokens' text so far, less a last character still incomplete
+    decoded: int = 0  # tokens whose text is in `text`
+    window: int = 0  # where the last decode began: the text of tokens[window:decoded] is known
     sent: str = ""  # text sent
     logged: int = 0  # tokens whose log-probabilities were sent
     first_at: float | None = None
     last_burst: float = 0.0
     step_s: float = 0.0  # a moving average of the time between bursts: the pacing budget
+
+    def extend(self, tokens: list[int], decode: Callable[[list[int]], str]) -> None:
+        """Take more tokens and their text, decoding only from the last decode's start (decoding the whole
+        response per burst cost its length in time; the overlap keeps spacing and merged bytes right)."""
+        self.tokens += tokens
+        known = decode(self.tokens[self.window:self.decoded])
+        both = decode(self.tokens[self.window:])
+        if len(both) > len(known) and not both.endswith("\ufffd"):  # no character cut in two
+            self.text += both[len(known):]
+            self.window, self.decoded = self.decoded, len(self.tokens)
 
 
 class BodyGuard:
@@ -551,6 +564,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             return event({"choices": [{"index": index, "finish_reason": finish, "logprobs": logprobs, **body}]})
 
         merged: asyncio.Queue = asyncio.Queue()
+        decode = lambda ids: server.tokenizer.decode(ids, skip_special_tokens=True)
 
         async def forward(index: int, updates: asyncio.Queue) -> None:
             while not isinstance(item := await updates.get(), tuple):
@@ -591,8 +605,8 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                 for j, part in enumerate(groups):
                     if j and merged.empty():  # pace the burst over the expected step time, never behind
                         await asyncio.sleep(choice.step_s / len(groups))
-                    choice.tokens += part
-                    text = settled(server.tokenizer.decode(choice.tokens, skip_special_tokens=True), request.params.stop)
+                    choice.extend(part, decode)
+                    text = settled(choice.text, request.params.stop)
                     if text.startswith(choice.sent) and len(text) > len(choice.sent) and not text.endswith("\ufffd"):
                         yield chunk(index, {"content": text[len(choice.sent):]})
                         choice.sent = text

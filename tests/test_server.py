@@ -18,6 +18,7 @@ from draftsmith.serve.engine import Engine
 from draftsmith.distill.data import heldout_messages
 from draftsmith.evaluate.bench_serve import run_level
 from draftsmith.serve.server import Server, create_app
+from draftsmith.serve.scheduler import PROBE_EVERY
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_truncated_draft
 
@@ -100,7 +101,10 @@ def test_bad_input_gets_a_4xx_and_the_server_answers_the_next_request(base_url, 
 def test_api_key_health_and_metrics(base_url):
     assert httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi"}).status_code == 401
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
-    client(base_url).completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
+    # long enough for a speculative step whatever adaptive K makes of this machine's step costs: plain
+    # decoding probes with one draft every PROBE_EVERY steps
+    done = client(base_url).completions.create(model="tiny", prompt="hello", max_tokens=PROBE_EVERY + 4, temperature=0)
+    assert done.usage.completion_tokens > PROBE_EVERY
     metrics = httpx.get(f"{base_url}/metrics").text
     drafts = [float(line.split()[-1]) for line in metrics.splitlines()
               if line.startswith("draftsmith:spec_decode_num_drafts_total")]
