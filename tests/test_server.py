@@ -376,3 +376,28 @@ def test_bad_bodies_get_openai_errors(base_url):
     curl_style = httpx.post(f"{base_url}/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
                             headers={**headers, "Content-Type": "application/x-www-form-urlencoded"})  # what curl -d sends
     assert curl_style.status_code == 200
+
+
+def test_incremental_detokenization_gives_the_whole_decode_in_any_bursts(tiny_chat_target):
+    # a stream decodes each burst's tokens only; accents, CJK and emoji span several byte-level tokens,
+    # so bursts end mid-character: the text grows by whole characters and ends as the whole decode
+    import random
+
+    from transformers import AutoTokenizer
+
+    from draftsmith.serve.server import Streamed
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    text = "Crème brûlée 🍮🎉 costs ¥1,200 — 東京の夜は静かです。  Tabs\tand\nnew lines; naïve café ✓✓"
+    ids = tokenizer.encode(text)
+    assert any("\ufffd" in decode(ids[:i]) for i in range(len(ids)))  # some prefixes do end mid-character
+    draw = random.Random(0)
+    for _ in range(20):
+        choice, i = Streamed(), 0
+        while i < len(ids):
+            n = draw.randint(1, 4)
+            choice.extend(ids[i:i + n], decode)
+            i += n
+            assert decode(ids[:i]).startswith(choice.text) and "\ufffd" not in choice.text
+        assert choice.text == decode(ids) == text
