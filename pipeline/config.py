@@ -120,6 +120,7 @@ class QuantizeConfig:
     num_calibration_samples: int = MISSING
     calibration_max_length: int = MISSING
     ignore: list[str] = field(default_factory=list)
+    calibration_dtype: Dtype = Dtype.float32  # the draft's dtype while AWQ searches its scales
 
 
 @dataclass

@@ -73,8 +73,9 @@ def _allow_cpu_calibration() -> None:
 
 
 def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: list[list[int]], *, bits: int,
-                 group_size: int | None, ignore: Sequence[str], device: str = "cpu") -> dict:
-    """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors); return what was done."""
+                 group_size: int | None, ignore: Sequence[str], calibration_dtype: str = "float32") -> dict:
+    """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors), searching the scales with
+    the draft in `calibration_dtype`; return what was done."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
@@ -90,7 +91,7 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
     config = json.loads((draft_dir / "config.json").read_text())
     group = choose_group_size(linear_in_features(config), group_size)
     _allow_cpu_calibration()
-    model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=getattr(torch, calibration_dtype))
     dataset = Dataset.from_list([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration])
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group)
     recipe = [AWQModifier(duo_scaling=True),
@@ -102,4 +103,4 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
     model.to(torch.bfloat16)  # scales and the unquantized embeddings / norms ship in bf16
     model.save_pretrained(out_dir, save_compressed=True)
     return {"bits": bits, "group_size": group, "ignore": list(ignore), "scheme": f"W{bits}A16 asymmetric",
-            "num_calibration_samples": len(calibration)}
+            "num_calibration_samples": len(calibration), "calibration_dtype": calibration_dtype}
