@@ -9,6 +9,7 @@ where it stopped.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,7 +23,9 @@ from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
 from draftsmith.serve.engine import compute_dtype, eos_ids_of, pick_device
-from draftsmith.serve.weights import check_fits, read_config
+from draftsmith.serve.weights import WeightsError, check_fits, read_config
+
+log = logging.getLogger("draftsmith")
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
@@ -39,12 +42,21 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     vocab_size = read_config(target_dir)["vocab_size"]
     vocab = eagle.draft_vocabulary((r["response_ids"] for r in train_rows), vocab_size, cfg.draft.vocab_size)
     covered = eagle.coverage((r["response_ids"] for r in eval_rows), vocab)
-    check_fits(target_dir, compute_dtype(cfg.target.dtype.value, device), device)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=compute_dtype(cfg.target.dtype.value, device))
+    online = cfg.distill.loss.value != "hard_label" and "topk_ids" not in train_rows[0]  # else the logit cache
+    dtype = compute_dtype(cfg.target.dtype.value, device)
+    try:
+        check_fits(target_dir, dtype, device)
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+    except WeightsError:
+        if cfg.draft.kind == DraftKind.eagle3 or online or cfg.distill.on_policy_fraction > 0:
+            raise
+        # a draft model trained from the teacher's logit cache needs the target for held-out TVD only
+        log.warning("distill: the target does not fit %s; training from the teacher's logit cache without it "
+                    "(no held-out TVD)", device)
+        target = None
     if cfg.draft.kind == DraftKind.eagle3:
         student, objective = eagle_student(cfg, target, reference, vocab, out / "initial", state.is_main_process)
     else:
-        online = cfg.distill.loss.value != "hard_label" and "topk_ids" not in train_rows[0]  # else the logit cache
         student, objective = draft_student(cfg, target_dir, out / "initial", state, online)
     state.wait_for_everyone()
     distiller = Distiller(cfg.distill, student, target, objective, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu",

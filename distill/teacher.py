@@ -4,7 +4,10 @@ of running the target again. With distill.teacher.extra_samples = n, each traini
 responses sampled at sample_temperature (more varied data per prompt; the held-out split keeps one).
 
 Batches are written as shards into the stage's work dir as they finish: a killed run resumes at the
-first missing shard.
+first missing shard. With distill.teacher.tensor_parallel, under torchrun, the target is split across
+the launch's processes by transformers' tensor parallelism (a target larger than one GPU) and answers
+through transformers' generate; its output is a logit cache that distillation trains from without the
+target.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Any, Mapping
 
 from draftsmith.distill.data import load_prompts
 from draftsmith.pipeline.config import DraftsmithConfig, TeacherConfig
-from draftsmith.pipeline.stage import Stage, StageOutput
+from draftsmith.pipeline.stage import Stage, StageOutput, process_rank
 from draftsmith.pipeline.target import load_reference
 from draftsmith.serve.engine import Engine, compute_dtype, eos_ids_of, pick_device
 from draftsmith.serve.sampling import SamplingParams
@@ -43,6 +46,69 @@ def generate_shard(engine: Engine, batch: list[dict], cfg: TeacherConfig, eos: f
     return rows
 
 
+def generate_shard_sharded(model, batch: list[dict], cfg: TeacherConfig, eos: frozenset[int], seed: int, sample: int) -> list[dict]:
+    """generate_shard's rows from the target sharded across the processes of a torchrun launch
+    (transformers' tensor parallelism, `model`): every rank runs the same batch, seeded alike, on logits
+    gathered whole, so every rank draws the same tokens. Prompts are left-padded; sequences run on past
+    EOS and are cut after it, as generate_shard's."""
+    import torch
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    temperature = cfg.temperature if sample == 0 else cfg.sample_temperature
+    prompts = [r["prompt_ids"] for r in batch]
+    longest = max(len(p) for p in prompts)
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    top: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class TopK(LogitsProcessor):  # first in line: it sees the target's raw logits of every step
+        def __call__(self, input_ids, scores):
+            if cfg.top_k_logits:
+                values, indices = scores.float().log_softmax(-1).topk(cfg.top_k_logits, dim=-1)
+                top.append((indices.cpu(), values.cpu()))
+            return scores
+
+    sampled = temperature > 0
+    config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampled, temperature=temperature if sampled else None,
+                              top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([TopK()]))
+    responses = out[:, longest:].tolist()
+    rows = []
+    for b, (record, tokens) in enumerate(zip(batch, responses)):
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        row = {"id": record["id"] + (f"#{sample}" if sample else ""), "split": record["split"],
+               "prompt_ids": record["prompt_ids"], "response_ids": tokens[:end]}
+        if cfg.top_k_logits:
+            row["topk_ids"] = [top[i][0][b].tolist() for i in range(end)]
+            row["topk_logprobs"] = [top[i][1][b].tolist() for i in range(end)]
+        rows.append(row)
+    return rows
+
+
+def load_sharded(target_dir: Path, dtype, device: str):
+    """The target split across this torchrun launch's processes with transformers' tensor parallelism
+    (NCCL on GPUs, one per process; gloo on CPUs)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world < 2:
+        raise ValueError("distill.teacher.tensor_parallel shards the target across the processes of a torchrun launch: "
+                         "run `torchrun --nproc_per_node N -m draftsmith.pipeline.cli run ...` with N >= 2")
+    if not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, distributed_config=DistributedConfig(tp_size=world)).eval()
+
+
 def write_shard(rows: list[dict], path: Path) -> None:
     import pyarrow as pa
 
@@ -62,24 +128,35 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     prompts = sorted(load_prompts(inputs["data"]).to_list(), key=lambda r: (len(r["prompt_ids"]), r["id"]))
     device = pick_device(cfg.device.value)
     longest = max(len(r["prompt_ids"]) for r in prompts)
-    model = load_model(target_dir, compute_dtype(cfg.target.dtype.value, device), device)
-    eos_ids = sorted(eos_ids_of(target_dir))
-    engine = Engine(model, max_batch_size=t.batch_size, max_seq_len=longest + t.max_new_tokens + 2)
+    dtype = compute_dtype(cfg.target.dtype.value, device)
+    eos_ids = frozenset(eos_ids_of(target_dir))
     shards = out / "shards"
     shards.mkdir(exist_ok=True)
     train = [r for r in prompts if r["split"] == "train"]
     batches = [(0, prompts[i:i + t.batch_size]) for i in range(0, len(prompts), t.batch_size)]
     batches += [(s, train[i:i + t.batch_size]) for s in range(1, t.extra_samples + 1) for i in range(0, len(train), t.batch_size)]
-    resumed = 0
-    with Progress() as progress:
+    done = {n for n in range(len(batches)) if (shards / f"shard-{n:05d}.arrow").exists()}  # resumed: before any rank writes
+    rank, world = process_rank()
+    writer = rank == 0 or not t.tensor_parallel  # unsplit, whichever rank holds the stage's lock runs it alone
+    if t.tensor_parallel:  # every rank runs every batch on its slice of the target; rank 0 writes
+        import torch.distributed as dist
+
+        model = load_sharded(target_dir, dtype, device)
+        dist.barrier()  # every rank has listed the finished shards
+        generate = lambda n, sample, batch: generate_shard_sharded(model, batch, t, eos_ids, cfg.seed + n, sample)
+    else:
+        engine = Engine(load_model(target_dir, dtype, device), max_batch_size=t.batch_size, max_seq_len=longest + t.max_new_tokens + 2)
+        generate = lambda n, sample, batch: generate_shard(engine, batch, t, eos_ids, cfg.seed + n, sample)
+    with Progress(disable=not writer) as progress:
         task = progress.add_task("teacher: target answers prompts", total=sum(len(b) for _, b in batches))
         for n, (sample, batch) in enumerate(batches):
-            path = shards / f"shard-{n:05d}.arrow"
-            if path.exists():
-                resumed += 1
-            else:
-                write_shard(generate_shard(engine, batch, t, frozenset(eos_ids), cfg.seed + n, sample), path)
+            if n not in done:
+                rows = generate(n, sample, batch)
+                if writer:
+                    write_shard(rows, shards / f"shard-{n:05d}.arrow")
             progress.advance(task, len(batch))
+    if not writer:  # rank 0 gathers the shards and publishes
+        return {}
     table = datasets.concatenate_datasets([datasets.Dataset.from_file(str(p)) for p in sorted(shards.glob("*.arrow"))])
     table.save_to_disk(str(out / TEACHER_DIR))
     for p in shards.iterdir():
@@ -87,8 +164,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     shards.rmdir()
     response_tokens = sum(len(r) for r in table["response_ids"])
     return {"num_examples": len(table), "response_tokens": response_tokens,
-            "mean_response_tokens": round(response_tokens / len(table), 1), "resumed_shards": resumed,
-            "top_k_logits": t.top_k_logits}
+            "mean_response_tokens": round(response_tokens / len(table), 1), "resumed_shards": len(done),
+            "top_k_logits": t.top_k_logits, "target_split_across": world if t.tensor_parallel else 1}
 
 
 def load_teacher(output: StageOutput):
@@ -97,4 +174,5 @@ def load_teacher(output: StageOutput):
     return datasets.load_from_disk(str(output.path / TEACHER_DIR))
 
 
-STAGE = Stage(name="teacher", config_keys=("distill.teacher", "seed"), inputs=("target", "data"), run=run)
+STAGE = Stage(name="teacher", config_keys=("distill.teacher", "seed"), inputs=("target", "data"), run=run,
+              distributed=lambda cfg: cfg.distill.teacher.tensor_parallel)

@@ -92,6 +92,7 @@ class TeacherConfig:
     sample_temperature: float = MISSING
     top_k_logits: int = MISSING  # 0: no logit cache (training then runs the target online)
     batch_size: int = MISSING
+    tensor_parallel: bool = False  # under torchrun: the target split across the launch's processes (transformers)
 
 
 @dataclass

@@ -59,7 +59,8 @@ class Stage:
     inputs: tuple[str, ...]  # upstream stages whose outputs this stage reads
     run: StageFn
     identity: IdentityFn | None = None  # facts outside the config that change the output
-    distributed: bool = False  # under torchrun / accelerate launch every rank takes part in run()
+    distributed: bool | Callable[[Any], bool] = False  # under torchrun / accelerate launch every rank takes part in
+                                                       # run() (a function of the config: when it says so)
     check: Callable[[Any, "StageOutput"], None] | None = None  # run on the output, fresh or cached; raising fails the job
     artifacts: tuple[str, ...] = ()  # files of the output logged to MLflow
 
@@ -138,7 +139,8 @@ def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: P
     final = root / stage.name / fp[:16]
     final.parent.mkdir(parents=True, exist_ok=True)
     rank, world = process_rank()
-    if stage.distributed and world > 1 and rank != 0:
+    distributed = stage.distributed(cfg) if callable(stage.distributed) else stage.distributed
+    if distributed and world > 1 and rank != 0:
         return _run_beside_rank_zero(stage, cfg, inputs, final, fp)
     (root / ".locks").mkdir(exist_ok=True)
     with open(root / ".locks" / f"{stage.name}-{fp[:16]}", "w") as lock:

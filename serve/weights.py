@@ -60,14 +60,17 @@ def free_bytes(device: str | torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(path: str | Path, dtype: torch.dtype, device: str | torch.device, free: int | None = None) -> None:
-    """Refuse, before loading, a model whose weights alone exceed what `device` has free."""
+def check_fits(path: str | Path, dtype: torch.dtype, device: str | torch.device, free: int | None = None, shards: int = 1) -> None:
+    """Refuse, before loading, a model whose weights alone (split `shards` ways: tensor parallelism)
+    exceed what `device` has free."""
     need, free = weight_bytes(Path(path), dtype), free_bytes(device) if free is None else free
-    if need > free:
+    if need / shards > free:
         gib = 2 ** 30
-        raise WeightsError(f"{path} does not fit: its weights take {need / gib:.1f} GiB in {str(dtype).removeprefix('torch.')} "
-                           f"and {device} has {free / gib:.1f} GiB free. draftsmith runs the target on one device: use "
-                           f"a device with more memory, or a smaller target")
+        split = f", {need / shards / gib:.1f} GiB on each of {shards} devices," if shards > 1 else ""
+        raise WeightsError(f"{path} does not fit: its weights take {need / gib:.1f} GiB in {str(dtype).removeprefix('torch.')}"
+                           f"{split} and {device} has {free / gib:.1f} GiB free. Use a device with more memory, a smaller "
+                           f"target, or more devices: distill.teacher.tensor_parallel splits the target across a torchrun "
+                           f"launch's processes for the teacher stage, and distillation from its logit cache needs no target")
 
 
 def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:

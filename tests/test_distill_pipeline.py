@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
 
@@ -111,15 +112,34 @@ def test_sigkill_then_rerun_resumes_and_ends_where_an_uninterrupted_run_ends(tin
     assert [h["step"] for h in got["history"]] == [h["step"] for h in expected["history"]]
 
 
-def test_two_processes_train_data_parallel(tiny_chat_target, tmp_path):
-    """torchrun with 2 CPU processes (gloo): every rank runs the pipeline, rank 0 builds the shared
-    stages, both train the draft together and rank 0 publishes it."""
+def test_two_processes_shard_the_teacher_then_train_data_parallel(tiny_chat_target, tmp_path):
+    """torchrun with 2 CPU processes (gloo): every rank runs the pipeline; the teacher stage splits the
+    target across both (transformers' tensor parallelism) and answers as the whole target does on one
+    device; rank 0 builds the other shared stages, both train the draft together and rank 0 publishes it."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path / "runs"
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    args = args_for(tiny_chat_target, root, "distill.max_steps=6", "distill.eval_every=3", "device=cpu")
+    args = args_for(tiny_chat_target, root, "distill.max_steps=6", "distill.eval_every=3", "device=cpu",
+                    "distill.teacher.tensor_parallel=true", "target.dtype=float32")
     done = subprocess.run([torchrun, "--nproc_per_node=2", "--master_port=29517", "-m", "draftsmith.pipeline.cli", *args[1:]],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert record(root, "teacher")["metrics"]["target_split_across"] == 2
+    teacher = datasets.load_from_disk(str(Path(record(root, "teacher")["path"]) / "teacher")).to_list()
+    whole = AutoModelForCausalLM.from_pretrained(tiny_chat_target, dtype=torch.float32).eval()
+    for row in teacher[:6]:  # greedy, run on past EOS and cut after it: the same tokens as the unsplit target's
+        prompt = torch.tensor([row["prompt_ids"]])
+        with torch.inference_mode():
+            logits = whole.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                    output_logits=True, return_dict_in_generate=True)
+        tokens = logits.sequences[0, prompt.shape[1]:].tolist()
+        assert row["response_ids"] == tokens[:len(row["response_ids"])]
+        for step, (ids, values) in enumerate(zip(row["topk_ids"], row["topk_logprobs"])):
+            expected = logits.logits[step][0].log_softmax(-1).topk(16)
+            assert ids[:4] == expected.indices[:4].tolist()
+            assert values == pytest.approx(expected.values.tolist(), abs=1e-4)
     distill = record(root, "distill")
     assert [h["step"] for h in distill["metrics"]["history"]] == [0, 3, 6]
     # both ranks' micro-batches count: 6 steps x batch 4 sequences of prompt + response tokens
@@ -147,3 +167,35 @@ def test_an_interrupted_teacher_stage_keeps_its_shards_and_the_same_command_resu
     assert kept and not list((root / "teacher").glob("[!.]*"))  # the finished shards stay, nothing is published
     run(args, tmp_path)
     assert record(root, "teacher")["metrics"]["resumed_shards"] >= len(kept)
+
+
+def test_a_target_too_large_for_the_device_trains_a_draft_from_the_logit_cache(tiny_chat_target, tmp_path, monkeypatch):
+    # a target split across GPUs for the teacher stage does not fit the one device that distillation runs
+    # on: a draft model trained from the teacher's logit cache does without it; what needs it is refused
+    from hydra import compose, initialize_config_module
+
+    from draftsmith.pipeline.config import register_schema, validate
+    from draftsmith.pipeline.graph import run_pipeline
+    from draftsmith.pipeline.stage import StageError
+    from draftsmith.serve.weights import WeightsError
+
+    register_schema()
+    overrides = [a for a in args_for(tiny_chat_target, tmp_path / "runs", "distill.max_steps=4", "distill.eval_every=2",
+                                     "device=cpu")[2:] if a != "stop_after=distill"]
+    config = lambda *extra: validate(compose(config_name="config", overrides=[*overrides, *extra]))
+    with initialize_config_module(config_module="draftsmith.conf", version_base="1.3"):
+        run_pipeline(config("stop_after=teacher"), tmp_path / "runs")
+        monkeypatch.setattr("draftsmith.serve.weights.free_bytes", lambda device: 1024)  # a device of 1 KiB from here on
+        distill = {o.name: o for o in run_pipeline(config("stop_after=distill"), tmp_path / "runs")}["distill"]
+        assert distill.record["metrics"]["train_tokens"] > 0 and (distill.path / "draft" / "model.safetensors").is_file()
+        assert distill.record["metrics"]["tvd_final"] is None  # held-out TVD needs the target
+        with pytest.raises((StageError, WeightsError), match="does not fit"):  # on-policy data: the target scores it
+            run_pipeline(config("stop_after=distill", "distill.on_policy_fraction=0.5"), tmp_path / "runs")
+
+
+def test_a_split_teacher_outside_torchrun_says_how_to_launch(tiny_chat_target, monkeypatch):
+    from draftsmith.distill.teacher import load_sharded
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node N"):
+        load_sharded(tiny_chat_target, torch.float32, "cpu")
