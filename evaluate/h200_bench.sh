@@ -8,9 +8,12 @@
 #   bash evaluate/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
 #   bash evaluate/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine
 #   bash evaluate/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
+#   bash evaluate/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 # Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT. LIMIT (seconds)
 # bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest. STEPS: the
-# EAGLE-3 head's training steps (2000).
+# EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
+# under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
+# batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
 set -euo pipefail
 root=/root/draftsmith-gpu
 out=${OUT:-/tmp/out}
@@ -25,7 +28,17 @@ steps=${STEPS:-2000}
 eagle=(draft=eagle3 distill.teacher.extra_samples=3 distill.teacher.batch_size=128 distill.batch_size=64
        distill.learning_rate=1e-3 distill.max_steps=$steps distill.eval_every=$((steps < 500 ? steps : 500)))
 
-case "${1:?tests, eagle, standalone, decode, serve, compare or batch}" in
+# the published bundle: BUNDLE if given (a carried copy), else this machine's newest
+bundle() {
+  if [ -n "${BUNDLE:-}" ]; then
+    python3 -c "from pathlib import Path; from draftsmith.pipeline.target import convert_gguf, demo_gguf_path; convert_gguf(demo_gguf_path(), Path('$root/cache'))" >/dev/null
+    echo "$BUNDLE"
+  else
+    echo "$(newest "$root/runs/publish/*")/bundle"
+  fi
+}
+
+case "${1:?tests, eagle, standalone, decode, serve, compare, batch or attention}" in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py 2>&1 | tail -15
   ;;
@@ -33,21 +46,21 @@ eagle)
   timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" publish.override_gates=true stop_after=publish 2>&1 | tail -60 || true
   for s in teacher distill evaluate publish; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/${s}_stage.json" || true; done
   cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
+  cp -r "$(newest "$root/runs/publish/*")/bundle" "$out/bundle" || true
   ;;
 standalone)
   timeout "$limit" "${cli[@]}" run "${common[@]}" distill.max_steps=400 distill.eval_every=400 stop_after=quantize 2>&1 | tail -40 || true
   for s in distill quantize; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/standalone_${s}_stage.json" || true; done
   ;;
 decode)
-  drafts=(--draft "$(newest "$root/runs/publish/*")/bundle/draft")
+  drafts=(--draft "$(bundle)/draft")
   standalone=$(newest "$root/runs/quantize/*/draft" || true)  # only where `standalone` ran on this machine
   if [ -n "$standalone" ]; then drafts+=(--draft "$standalone"); fi
   "${cli[@]}" bench decode --device cuda --prompts 8 --new-tokens 256 --batch 16 --k 2 --k 3 --k 4 --k 5 --repeats 3 \
     "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
   ;;
 serve)
-  bundle=$(newest "$root/runs/publish/*")/bundle
-  "${cli[@]}" serve "$bundle" --device cuda --port 8011 > "$out/serve.log" 2>&1 &
+  "${cli[@]}" serve "$(bundle)" --device cuda --port 8011 > "$out/serve.log" 2>&1 &
   server=$!
   trap 'kill $server 2>/dev/null || true' EXIT
   for _ in $(seq 600); do
@@ -59,10 +72,13 @@ serve)
   get /metrics | grep -E '^draftsmith.spec_decode' | head -20 || true
   ;;
 compare)
-  "${cli[@]}" bench serve --compare-engine "$(newest "$root/runs/publish/*")/bundle" --device cuda \
+  "${cli[@]}" bench serve --compare-engine "$(bundle)" --device cuda \
     --concurrency 1 --concurrency 16 --duration 20 --out "$out/bench_serve_compare.json"
   ;;
 batch)
-  python3 -m draftsmith.evaluate.profile_batch --draft "$(newest "$root/runs/publish/*")/bundle/draft" --cache-dir $root/cache
+  python3 -m draftsmith.evaluate.profile_batch --draft "$(bundle)/draft" --cache-dir $root/cache
+  ;;
+attention)
+  python3 -m draftsmith.evaluate.profile_attention --cache-dir $root/cache
   ;;
 esac
