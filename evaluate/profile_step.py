@@ -1,5 +1,5 @@
 """Where a batch-1 decoding step's time goes on a GPU: forward costs by token count, whole-step costs
-by K (attention by torch's fused SDPA, then by the runtime's grouped_attention), and the heaviest
+by K (attention by torch's fused SDPA, then by the runtime's choice, grouped_attention_pays), and the heaviest
 kernels of the target's forward over 1 and over K+1 tokens.
 
     python3 -m draftsmith.evaluate.profile_step [--cache-dir DIR] [--draft DIR] [--k 2]

@@ -313,14 +313,15 @@ class Server:
             return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]
         return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in request.prompts()]
 
-    def submit(self, ids: list[int], params: SamplingParams) -> tuple[EngineRequest, asyncio.Queue]:
-        """Queue a request on the scheduler; its tokens lists and then its Completion (or exception)
-        arrive on the returned asyncio queue. EngineError for a request the engine cannot take."""
-        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-        put = lambda item: loop.call_soon_threadsafe(updates.put_nowait, item)
+    def submit(self, ids: list[int], params: SamplingParams, updates: asyncio.Queue, index: int = 0) -> EngineRequest:
+        """Queue a request on the scheduler; its tokens lists and then ("done", its Completion or exception)
+        arrive on `updates` as (index, item): the choices of one API request share a queue. EngineError for
+        a request the engine cannot take."""
+        loop = asyncio.get_running_loop()
+        put = lambda item: loop.call_soon_threadsafe(updates.put_nowait, (index, item))
         request = EngineRequest(ids, params, on_tokens=put, on_done=lambda result: put(("done", result)))
         self.scheduler.submit(request)
-        return request, updates
+        return request
 
     def text_of(self, completion) -> str:
         return completion.text if completion.text is not None else self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
@@ -485,24 +486,24 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         started = time.perf_counter()
-        submitted = []
+        submitted, updates = [], asyncio.Queue()
         try:
-            for ids, params in jobs:
-                submitted.append(server.submit(ids, params))
+            for index, (ids, params) in enumerate(jobs):
+                submitted.append(server.submit(ids, params, updates, index))
         except EngineError as e:
-            for engine_request, _ in submitted:
+            for engine_request in submitted:
                 engine_request.cancelled.set()
             return error(400, str(e))
         if request.stream:
             usage = request.stream_options is not None and request.stream_options.include_usage
-            return StreamingResponse(stream(submitted, rid, created, kind, chat, started, sum(len(ids) for ids in prompts), usage,
+            return StreamingResponse(stream(submitted, updates, rid, created, kind, chat, started, sum(len(ids) for ids in prompts), usage,
                                             echoes), media_type="text/event-stream")
         try:
-            results = [await finished(*one, http, started) for one in submitted]
+            results = await finished(submitted, updates, http, started)
         finally:
-            for engine_request, _ in submitted:
+            for engine_request in submitted:
                 engine_request.cancelled.set()  # no-op once done; frees the rows if this handler was cancelled
-        if any(result is None for result in results):
+        if results is None:
             return error(499, "the client closed the connection")
         if failed := next((r for r in results if isinstance(r, BaseException)), None):
             return error(500, f"generation failed: {failed}")
@@ -515,26 +516,27 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
         return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": body,
                 "usage": token_usage(sum(len(ids) for ids in prompts), sum(len(r.tokens) for r in results))}
 
-    async def finished(engine_request: EngineRequest, updates: asyncio.Queue, http: Request, started: float):
-        """The request's Completion (or exception) once done; None if the client went away first."""
-        first_at, checked = None, started
-        while True:
+    async def finished(submitted: list[EngineRequest], updates: asyncio.Queue, http: Request, started: float):
+        """Each choice's Completion (or exception), in order, once all are done; None if the client went
+        away first."""
+        results, first_at, checked = {}, {}, started
+        while len(results) < len(submitted):
             try:
-                item = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_CHECK_S)
+                index, item = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_CHECK_S)
             except asyncio.TimeoutError:
-                item = None
+                index, item = None, None
             if time.perf_counter() - checked >= DISCONNECT_CHECK_S:
                 checked = time.perf_counter()
                 if await http.is_disconnected():  # the client went away: free its rows now
                     return None
             if isinstance(item, tuple):
-                break
-            if item and first_at is None:
-                first_at = time.perf_counter()
-                server.metrics.ttft.observe(first_at - started)
-        if not isinstance(item[1], BaseException):
-            observe(item[1], started, first_at)
-        return item[1]
+                results[index] = item[1]
+                if not isinstance(item[1], BaseException):
+                    observe(item[1], started, first_at.get(index))
+            elif item and index not in first_at:
+                first_at[index] = time.perf_counter()
+                server.metrics.ttft.observe(first_at[index] - started)
+        return [results[i] for i in range(len(submitted))]
 
     def observe(completion: Completion, started: float, first_at: float | None) -> None:
         now = time.perf_counter()
@@ -544,7 +546,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
         if first_at is not None and len(completion.tokens) > 1:
             server.metrics.tpot.observe((now - first_at) / (len(completion.tokens) - 1))
 
-    async def stream(submitted: list[tuple[EngineRequest, asyncio.Queue]], rid, created, kind, chat, started,
+    async def stream(submitted: list[EngineRequest], updates: asyncio.Queue, rid, created, kind, chat, started,
                      prompt_tokens: int, include_usage: bool, echoes: list[str]) -> AsyncIterator[str]:
         """SSE chunks of every choice as its tokens are kept (in groups of `smooth_stream`, evenly paced,
         when set), with those tokens' log-probabilities when asked for, after its echoed prompt if any; a
@@ -554,7 +556,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                                                     "model": server.model_name, **body}) + "\n\n"
 
         def chunk(index: int, delta: dict, finish: str | None = None) -> str:
-            request, choice = submitted[index][0], choices[index]
+            request, choice = submitted[index], choices[index]
             logprobs = None
             if request.logprobs is not None:  # the entries of the tokens received since the last chunk
                 logprobs = token_logprobs(server.tokenizer, choice.tokens[choice.logged:],
@@ -563,15 +565,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
             body = {"delta": delta} if chat else {"text": delta.get("content", "")}
             return event({"choices": [{"index": index, "finish_reason": finish, "logprobs": logprobs, **body}]})
 
-        merged: asyncio.Queue = asyncio.Queue()
         decode = lambda ids: server.tokenizer.decode(ids, skip_special_tokens=True)
-
-        async def forward(index: int, updates: asyncio.Queue) -> None:
-            while not isinstance(item := await updates.get(), tuple):
-                merged.put_nowait((index, item))
-            merged.put_nowait((index, item))
-
-        pumps = [asyncio.create_task(forward(i, updates)) for i, (_, updates) in enumerate(submitted)]
         choices = [Streamed(last_burst=started) for _ in submitted]
         results: dict[int, Completion] = {}
         try:
@@ -580,8 +574,8 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                     yield event({"choices": [{"index": index, "finish_reason": None, "logprobs": None,
                                               **({"delta": {"role": "assistant", "content": ""}} if chat else {"text": echo})}]})
             while len(results) < len(submitted):
-                index, item = await merged.get()
-                request, choice = submitted[index][0], choices[index]
+                index, item = await updates.get()
+                request, choice = submitted[index], choices[index]
                 if isinstance(item, tuple):
                     result = item[1]
                     if isinstance(result, BaseException):
@@ -603,7 +597,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                 group = server.smooth_stream or len(item)
                 groups = [item[i:i + group] for i in range(0, len(item), group)]
                 for j, part in enumerate(groups):
-                    if j and merged.empty():  # pace the burst over the expected step time, never behind
+                    if j and updates.empty():  # pace the burst over the expected step time, never behind
                         await asyncio.sleep(choice.step_s / len(groups))
                     choice.extend(part, decode)
                     text = settled(choice.text, request.params.stop)
@@ -614,10 +608,8 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                 yield event({"choices": [], "usage": token_usage(prompt_tokens, sum(len(r.tokens) for r in results.values()))})
             yield "data: [DONE]\n\n"
         finally:
-            for request, _ in submitted:
+            for request in submitted:
                 request.cancelled.set()
-            for pump in pumps:
-                pump.cancel()
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http: Request):
