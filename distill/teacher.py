@@ -61,20 +61,21 @@ def generate_shard_sharded(model, batch: list[dict], cfg: TeacherConfig, eos: fr
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
     top: list[tuple[torch.Tensor, torch.Tensor]] = []
+    sampled = temperature > 0
 
-    class TopK(LogitsProcessor):  # first in line: it sees the target's raw logits of every step
+    class Cache(LogitsProcessor):  # the only processor: it sees the target's raw logits, then applies the temperature
         def __call__(self, input_ids, scores):
-            if cfg.top_k_logits:
+            if cfg.top_k_logits:  # the target's own distribution (T = 1), as generate_shard records it
                 values, indices = scores.float().log_softmax(-1).topk(cfg.top_k_logits, dim=-1)
                 top.append((indices.cpu(), values.cpu()))
-            return scores
+            return scores / temperature if sampled else scores
 
-    sampled = temperature > 0
-    config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampled, temperature=temperature if sampled else None,
+    # temperature 1 and no top-k / top-p: generate adds no processor of its own, which would run before ours
+    config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampled, temperature=1.0 if sampled else None,
                               top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(seed)
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([TopK()]))
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([Cache()]))
     responses = out[:, longest:].tolist()
     rows = []
     for b, (record, tokens) in enumerate(zip(batch, responses)):

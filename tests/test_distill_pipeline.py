@@ -122,14 +122,24 @@ def test_two_processes_shard_the_teacher_then_train_data_parallel(tiny_chat_targ
     root = tmp_path / "runs"
     torchrun = str(Path(sys.executable).parent / "torchrun")
     args = args_for(tiny_chat_target, root, "distill.max_steps=6", "distill.eval_every=3", "device=cpu",
-                    "distill.teacher.tensor_parallel=true", "target.dtype=float32")
+                    "distill.teacher.tensor_parallel=true", "target.dtype=float32", "distill.teacher.extra_samples=1")
     done = subprocess.run([torchrun, "--nproc_per_node=2", "--master_port=29517", "-m", "draftsmith.pipeline.cli", *args[1:]],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert record(root, "teacher")["metrics"]["target_split_across"] == 2
     teacher = datasets.load_from_disk(str(Path(record(root, "teacher")["path"]) / "teacher")).to_list()
     whole = AutoModelForCausalLM.from_pretrained(tiny_chat_target, dtype=torch.float32).eval()
-    for row in teacher[:6]:  # greedy, run on past EOS and cut after it: the same tokens as the unsplit target's
+    greedy, sampled = [r for r in teacher if "#" not in r["id"]], [r for r in teacher if r["id"].endswith("#1")]
+    assert sampled and {r["id"] + "#1" for r in greedy if r["split"] == "train"} == {r["id"] for r in sampled}
+    answer = {r["id"]: r["response_ids"] for r in greedy}
+    assert any(r["response_ids"] != answer[r["id"].removesuffix("#1")] for r in sampled)  # they were sampled
+    for row in sampled[:4]:  # sampled at T = 0.8, cached at T = 1: the target's own distribution at each position
+        ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+        with torch.inference_mode():
+            expected = whole(ids).logits[0, len(row["prompt_ids"]) - 1:-1].log_softmax(-1)
+        got = torch.tensor(row["topk_logprobs"])
+        assert torch.allclose(got, expected.gather(1, torch.tensor(row["topk_ids"])), atol=1e-4)
+    for row in greedy[:6]:  # greedy, run on past EOS and cut after it: the same tokens as the unsplit target's
         prompt = torch.tensor([row["prompt_ids"]])
         with torch.inference_mode():
             logits = whole.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
