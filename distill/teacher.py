@@ -34,16 +34,20 @@ def generate_shard(engine: Engine, batch: list[dict], cfg: TeacherConfig, eos: f
     params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=seed, ignore_eos=True,
                             top_logprobs=cfg.top_k_logits)
     got = engine.generate([r["prompt_ids"] for r in batch], params)
-    rows = []
-    for record, completion in zip(batch, got.completions):
-        end = next((i + 1 for i, t in enumerate(completion.tokens) if t in eos), len(completion.tokens))
-        row = {"id": record["id"] + (f"#{sample}" if sample else ""), "split": record["split"],
-               "prompt_ids": record["prompt_ids"], "response_ids": completion.tokens[:end]}
-        if cfg.top_k_logits:
-            top = completion.logprobs.top_tokens[:end]
-            row["topk_ids"], row["topk_logprobs"] = [ids for ids, _ in top], [values for _, values in top]
-        rows.append(row)
-    return rows
+    return [response_row(record, sample, c.tokens, eos, c.logprobs.top_tokens if cfg.top_k_logits else None)
+            for record, c in zip(batch, got.completions)]
+
+
+def response_row(record: dict, sample: int, tokens: list[int], eos: frozenset[int],
+                 top: list[tuple[list[int], list[float]]] | None) -> dict:
+    """A teacher row: the response cut after its first EOS, with the top-k (ids, log-probabilities) of
+    each of its positions when `top` is given."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    row = {"id": record["id"] + (f"#{sample}" if sample else ""), "split": record["split"],
+           "prompt_ids": record["prompt_ids"], "response_ids": tokens[:end]}
+    if top is not None:
+        row["topk_ids"], row["topk_logprobs"] = [ids for ids, _ in top[:end]], [values for _, values in top[:end]]
+    return row
 
 
 def generate_shard_sharded(model, batch: list[dict], cfg: TeacherConfig, eos: frozenset[int], seed: int, sample: int) -> list[dict]:
@@ -67,7 +71,7 @@ def generate_shard_sharded(model, batch: list[dict], cfg: TeacherConfig, eos: fr
         def __call__(self, input_ids, scores):
             if cfg.top_k_logits:  # the target's own distribution (T = 1), as generate_shard records it
                 values, indices = scores.float().log_softmax(-1).topk(cfg.top_k_logits, dim=-1)
-                top.append((indices.cpu(), values.cpu()))
+                top.append((indices, values))  # kept on the device: one copy at the end, no sync per step
             return scores / temperature if sampled else scores
 
     # temperature 1 and no top-k / top-p: generate adds no processor of its own, which would run before ours
@@ -76,17 +80,11 @@ def generate_shard_sharded(model, batch: list[dict], cfg: TeacherConfig, eos: fr
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([Cache()]))
-    responses = out[:, longest:].tolist()
-    rows = []
-    for b, (record, tokens) in enumerate(zip(batch, responses)):
-        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-        row = {"id": record["id"] + (f"#{sample}" if sample else ""), "split": record["split"],
-               "prompt_ids": record["prompt_ids"], "response_ids": tokens[:end]}
-        if cfg.top_k_logits:
-            row["topk_ids"] = [top[i][0][b].tolist() for i in range(end)]
-            row["topk_logprobs"] = [top[i][1][b].tolist() for i in range(end)]
-        rows.append(row)
-    return rows
+    tops = [None] * len(batch)
+    if cfg.top_k_logits:  # [B, steps, k] each
+        top_ids, top_values = torch.stack([i for i, _ in top], 1).tolist(), torch.stack([v for _, v in top], 1).tolist()
+        tops = [list(zip(i, v)) for i, v in zip(top_ids, top_values)]
+    return [response_row(record, sample, tokens, eos, t) for record, tokens, t in zip(batch, out[:, longest:].tolist(), tops)]
 
 
 def load_sharded(target_dir: Path, dtype, device: str):
@@ -99,7 +97,7 @@ def load_sharded(target_dir: Path, dtype, device: str):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = process_rank()[1]
     if world < 2:
         raise ValueError("distill.teacher.tensor_parallel shards the target across the processes of a torchrun launch: "
                          "run `torchrun --nproc_per_node N -m draftsmith.pipeline.cli run ...` with N >= 2")

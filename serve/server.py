@@ -601,7 +601,7 @@ def create_app(server: Server, api_key: str | None = None, max_body_bytes: int =
                         await asyncio.sleep(choice.step_s / len(groups))
                     choice.extend(part, decode)
                     text = settled(choice.text, request.params.stop)
-                    if text.startswith(choice.sent) and len(text) > len(choice.sent) and not text.endswith("\ufffd"):
+                    if text.startswith(choice.sent) and len(text) > len(choice.sent):  # choice.text holds whole characters only
                         yield chunk(index, {"content": text[len(choice.sent):]})
                         choice.sent = text
             if include_usage and len(results) == len(submitted):
