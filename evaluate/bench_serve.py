@@ -10,7 +10,8 @@ usage chunk (`stream_options.include_usage`), which both servers send.
 own (as real clients are: their Python work does not contend for the server's interpreter lock), then
 drives the same server's scheduler directly (no HTTP, no tokenization per request, same prompts, max_tokens and greedy
 settings) with the same number of requests always in flight: each level gains the engine's tokens/s
-and the server's share of it.
+and the server's share of it. With repeats, the levels run that many rounds after one warm-up and
+`median_rows` gives each level's medians and the ratio's spread.
 """
 from __future__ import annotations
 
@@ -107,8 +108,11 @@ def bench_serve(url: str, prompts: Sequence[list[dict]], concurrencies: Sequence
 
 
 def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_tokens: int, duration: float) -> dict:
-    """The scheduler of `server` (not started) with `concurrency` requests always in flight, cycling
-    through the prompts for `duration` seconds; requests still running at the end are waited for."""
+    """The running scheduler of `server`, fed directly (no HTTP, no tokenization per request) with
+    `concurrency` requests always in flight, cycling through the prompts for `duration` seconds;
+    requests still running at the end are waited for."""
+    import threading
+
     from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.scheduler import Request
     from draftsmith.serve.server import ChatRequest
@@ -116,6 +120,7 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
     ids = [server.prompt_ids(ChatRequest(messages=m))[0] for m in prompts]  # as the server tokenizes them
     params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
     done: list = []
+    lock, finished = threading.Lock(), threading.Event()
     started = time.perf_counter()
     deadline = started + duration
     submitted = 0
@@ -125,23 +130,31 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
         server.scheduler.submit(Request(ids[submitted % len(ids)], params, on_done=on_done))
         submitted += 1
 
-    def on_done(result) -> None:
-        done.append(result)
-        if time.perf_counter() < deadline:
-            submit()
+    def on_done(result) -> None:  # on the engine's thread
+        with lock:
+            done.append(result)
+            if time.perf_counter() < deadline and not isinstance(result, BaseException):
+                submit()
+            elif len(done) == submitted:
+                finished.set()
 
-    for _ in range(concurrency):
-        submit()
-    server.scheduler.drain()
+    with lock:
+        for _ in range(concurrency):
+            submit()
+    finished.wait()
     wall = time.perf_counter() - started
+    if failed := next((r for r in done if isinstance(r, BaseException)), None):
+        raise RuntimeError(f"the engine failed a request: {failed}") from failed
     tokens = sum(len(r.tokens) for r in done)
     return {"engine_requests": len(done), "engine_tokens_per_s": round(tokens / wall, 1)}
 
 
 def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequence[int], max_tokens: int, duration: float,
-                   device: str = "auto", dtype: str = "bfloat16", max_model_len: int = 2048, max_batch_size: int = 16) -> list[dict]:
+                   device: str = "auto", dtype: str = "bfloat16", max_model_len: int = 2048, max_batch_size: int = 16,
+                   repeats: int = 1) -> list[dict]:
     """Server rows (as bench_serve) for `draftsmith serve <bundle>` run in this process, each with the
-    engine's tokens/s at the same concurrency and the ratio server / engine."""
+    engine's tokens/s at the same concurrency, measured right after it, and the ratio server / engine;
+    `repeats` rounds over the levels after one warm-up (the row's `repeat` says which)."""
     import multiprocessing
     import socket
     import threading
@@ -160,20 +173,41 @@ def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequenc
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    while not (http.started and httpx.get(f"{url}/ready", timeout=30).status_code == 200):
-        if server.failed is not None:
-            http.should_exit = True
-            raise RuntimeError(f"the server's warm-up failed: {server.failed}") from server.failed
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.2)
+    rows = []
     try:
+        while not (http.started and httpx.get(f"{url}/ready", timeout=30).status_code == 200):
+            if server.failed is not None:
+                raise RuntimeError(f"the server's warm-up failed: {server.failed}") from server.failed
+            if not thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.2)
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
-            rows = clients.submit(bench_serve, url, prompts, concurrencies, max_tokens, duration, None, server.model_name).result()
+            for repeat in range(1, repeats + 1):
+                for concurrency in concurrencies:
+                    row = clients.submit(bench_serve, url, prompts, [concurrency], max_tokens, duration, None, server.model_name).result()[0]
+                    row.update(engine_level(server, prompts, concurrency, max_tokens, duration), repeat=repeat)
+                    row["server_over_engine"] = round(row["tokens_per_s"] / row["engine_tokens_per_s"], 3)
+                    rows.append(row)
     finally:
         http.should_exit = True
-        thread.join()  # the lifespan's end stops the scheduler's thread: the engine is ours alone now
-    for row in rows:
-        row.update(engine_level(server, prompts, row["concurrency"], max_tokens, duration))
-        row["server_over_engine"] = round(row["tokens_per_s"] / row["engine_tokens_per_s"], 3)
+        thread.join()  # the lifespan's end stops the scheduler's thread
     return rows
+
+
+def median_rows(rows: Sequence[dict]) -> list[dict]:
+    """Per concurrency over the repeats: the median of server and engine tokens/s, of the ratio (with its
+    lowest and highest) and of TTFT p50."""
+    levels = dict.fromkeys(r["concurrency"] for r in rows)
+    summary = []
+    for concurrency in levels:
+        runs = [r for r in rows if r["concurrency"] == concurrency]
+        def median(key: str) -> float | None:
+            values = [r[key] for r in runs if r[key] is not None]
+            return round(float(np.median(values)), 3) if values else None
+
+        ratios = [r["server_over_engine"] for r in runs]
+        summary.append({"concurrency": concurrency, "runs": len(runs), "tokens_per_s": median("tokens_per_s"),
+                        "engine_tokens_per_s": median("engine_tokens_per_s"), "server_over_engine": median("server_over_engine"),
+                        "ratio_low": min(ratios), "ratio_high": max(ratios), "ttft_p50_ms": median("ttft_p50_ms"),
+                        "ttft_p99_ms": median("ttft_p99_ms")})
+    return summary

@@ -6,7 +6,7 @@
 #   bash evaluate/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
 #   bash evaluate/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
 #   bash evaluate/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
-#   bash evaluate/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine
+#   bash evaluate/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine, 3 rounds
 #   bash evaluate/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash evaluate/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 # Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT. LIMIT (seconds)
@@ -73,7 +73,7 @@ serve)
   ;;
 compare)
   "${cli[@]}" bench serve --compare-engine "$(bundle)" --device cuda \
-    --concurrency 1 --concurrency 16 --duration 20 --out "$out/bench_serve_compare.json"
+    --concurrency 1 --concurrency 16 --duration 15 --repeats 3 --out "$out/bench_serve_compare.json"
   ;;
 batch)
   python3 -m draftsmith.evaluate.profile_batch --draft "$(bundle)/draft" --cache-dir $root/cache

@@ -150,6 +150,8 @@ def bench_serve_command(
     compare_engine: Path = typer.Option(None, "--compare-engine", help="a bundle: serve it from this process instead of "
                                         "loading --url, then run its engine alone on the same prompts and settings"),
     device: str = typer.Option("auto", help="with --compare-engine: auto, cpu or cuda"),
+    repeats: int = typer.Option(1, min=1, help="with --compare-engine: rounds over the levels after one warm-up; "
+                                             "a summary gives the medians and the ratio's spread"),
 ) -> None:
     """Load a server with streaming chat clients: throughput and TTFT / TPOT p50 and p99 per concurrency."""
     import json
@@ -164,18 +166,26 @@ def bench_serve_command(
     columns = ("concurrency", "requests", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
     if compare_engine:
         console_log()
-        rows = bench.compare_engine(compare_engine, chats, concurrency, max_tokens, duration, device)
-        url, columns = f"draftsmith serve {compare_engine} (in process)", columns + ("engine_tokens_per_s", "server_over_engine")
+        rows = bench.compare_engine(compare_engine, chats, concurrency, max_tokens, duration, device, repeats=repeats)
+        url, columns = f"draftsmith serve {compare_engine} (in process)", ("repeat",) + columns + ("engine_tokens_per_s", "server_over_engine")
     else:
         rows = bench.bench_serve(url, chats, concurrency, max_tokens, duration, api_key)
-    table = Table(title=f"bench serve: {url}, {max_tokens} max tokens, greedy, {duration:g} s per level")
-    for column in columns:
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(*(str(row[c]) for c in columns))
-    Console().print(table)
+
+    def print_rows(title: str, rows: list[dict], columns: tuple[str, ...]) -> None:
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column, justify="right")
+        for row in rows:
+            table.add_row(*(str(row[c]) for c in columns))
+        Console().print(table)
+
+    print_rows(f"bench serve: {url}, {max_tokens} max tokens, greedy, {duration:g} s per level", rows, columns)
+    summary = bench.median_rows(rows) if compare_engine else None
+    if summary:
+        print_rows(f"medians over {repeats} run(s) per level (ratio_low / ratio_high: its spread)", summary, tuple(summary[0]))
     if out:
-        out.write_text(json.dumps({"command": " ".join(sys.argv), "url": url, "rows": rows}, indent=2))
+        out.write_text(json.dumps({"command": " ".join(sys.argv), "url": url, "rows": rows} | ({"medians": summary} if summary else {}),
+                                  indent=2))
     if any(row["errors"] for row in rows):
         typer.echo(f"errors: {next(row['first_error'] for row in rows if row['errors'])}", err=True)
         raise typer.Exit(1)

@@ -213,14 +213,20 @@ def test_bench_serve_compares_the_server_with_its_own_engine(published):
     tmp, bundle, _ = published
     out = tmp / "compare.json"
     done = draftsmith("bench", "serve", "--compare-engine", str(bundle), "--device", "cpu", "--concurrency", "1",
-                      "--concurrency", "3", "--duration", "2", "--max-tokens", "8", "--out", str(out), cwd=tmp)
+                      "--concurrency", "3", "--duration", "1", "--max-tokens", "8", "--repeats", "2", "--out", str(out), cwd=tmp)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["concurrency"] for r in rows] == [1, 3] and all(r["errors"] == 0 and r["requests"] >= 1 for r in rows)
-    for r in rows:  # both sides measured in this one process; the ratio is theirs
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["repeat"], r["concurrency"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(r["errors"] == 0 and r["requests"] >= 1 for r in rows)
+    for r in rows:  # both sides measured in this one process, each level's engine run right after its server run
         assert r["engine_requests"] >= r["concurrency"] and r["engine_tokens_per_s"] > 0
         assert r["server_over_engine"] == round(r["tokens_per_s"] / r["engine_tokens_per_s"], 3)
-    assert "server_over_engine" in done.stdout
+    for level in result["medians"]:
+        ratios = sorted(r["server_over_engine"] for r in rows if r["concurrency"] == level["concurrency"])
+        assert level["runs"] == 2 and (level["ratio_low"], level["ratio_high"]) == (ratios[0], ratios[-1])
+        assert level["server_over_engine"] == round((ratios[0] + ratios[1]) / 2, 3)
+    assert "server_over_engine" in done.stdout and "medians over 2 run(s)" in done.stdout
 
 
 # -- a bundle that travels, and verify as a gate -----------------------------------------------------
