@@ -72,6 +72,22 @@ def _allow_cpu_calibration() -> None:
     IntermediatesCache._pin_intermediate = classmethod(lambda cls, intermediate: None)
 
 
+def ship_in_bf16(model_dir: Path) -> None:
+    """Rewrite every floating tensor of the saved checkpoint in bf16: scales, norms and the embedding
+    table. Casting the model before saving is not enough: on a GPU llm-compressor keeps offloaded copies
+    in the calibration dtype, and those are what it saves (a float32 calibration on the H200 shipped a
+    113 MB float32 embedding table)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors = load_file(file)
+        wide = {name for name, t in tensors.items() if t.is_floating_point() and t.dtype != torch.bfloat16}
+        if wide:
+            save_file({name: t.to(torch.bfloat16) if name in wide else t for name, t in tensors.items()}, file,
+                      metadata={"format": "pt"})
+
+
 def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: list[list[int]], *, bits: int,
                  group_size: int | None, ignore: Sequence[str], calibration_dtype: str = "float32") -> dict:
     """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors), searching the scales with
@@ -100,7 +116,7 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
     oneshot(model=model, processor=AutoTokenizer.from_pretrained(draft_dir), dataset=dataset, recipe=recipe,
             num_calibration_samples=len(calibration), max_seq_length=max(len(ids) for ids in calibration),
             shuffle_calibration_samples=False)
-    model.to(torch.bfloat16)  # scales and the unquantized embeddings / norms ship in bf16
     model.save_pretrained(out_dir, save_compressed=True)
+    ship_in_bf16(out_dir)
     return {"bits": bits, "group_size": group, "ignore": list(ignore), "scheme": f"W{bits}A16 asymmetric",
             "num_calibration_samples": len(calibration), "calibration_dtype": calibration_dtype}

@@ -36,7 +36,11 @@ def w4a16(tiny_draft, tiny_chat_target, tmp_path_factory):
 
 
 def test_w4a16_checkpoint_is_compressed_tensors_with_the_target_tokenizer(w4a16, tiny_chat_target):
+    from draftsmith.quantize.stage import tensor_sizes
+
     out, done = w4a16
+    dtypes = {dtype for dtype, _ in tensor_sizes(out).values()}
+    assert "BF16" in dtypes and not dtypes & {"F32", "F16", "F64"}, dtypes  # calibrated in float32, shipped in bf16
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
     weights = config["config_groups"]["group_0"]["weights"]
@@ -101,6 +105,22 @@ def test_fewer_than_four_bits_is_refused(tiny_draft, tiny_chat_target, tmp_path,
     with pytest.raises(QuantizeError, match="fewer than 4 bits is refused.*acceptance collapses"):
         quantize_awq(tiny_draft, tiny_chat_target, tmp_path / "out", calibration(), bits=bits, group_size=None, ignore=[])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_saved_with_float32_tensors_ships_them_in_bf16(w4a16, tmp_path):
+    # what llm-compressor saved on the H200 after a float32 calibration: an offloaded float32 embedding
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.quantize.awq import ship_in_bf16
+
+    out, _ = w4a16
+    saved = load_file(out / "model.safetensors")
+    wide = {name: t.float() if t.is_floating_point() else t for name, t in saved.items()}
+    save_file(wide, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ship_in_bf16(tmp_path)
+    shipped = load_file(tmp_path / "model.safetensors")
+    assert shipped.keys() == saved.keys()
+    assert all(shipped[n].dtype == saved[n].dtype and torch.equal(shipped[n], saved[n]) for n in saved)
 
 
 def test_scales_are_searched_in_the_calibration_dtype(w4a16, tiny_draft, tiny_chat_target, tmp_path):
