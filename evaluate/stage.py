@@ -67,6 +67,15 @@ def draft_dirs(inputs: Mapping[str, StageOutput]) -> dict[str, Path]:
     return dirs
 
 
+def same_shape(a, b) -> bool:
+    """Two drafts whose steps cost the same: one kind, one architecture, one proposal vocabulary (the
+    runtime dequantizes a W4A16 draft at load, and an untrained draft has its trained twin's shape)."""
+    if a is None or b is None or type(a) is not type(b) or a.args != b.args or getattr(a, "shape", None) != getattr(b, "shape", None):
+        return False
+    va, vb = getattr(a, "vocab", None), getattr(b, "vocab", None)
+    return (va is None) == (vb is None) and (va is None or va.shape == vb.shape)
+
+
 def gates(e: EvaluateConfig, report: dict) -> dict:
     """The gates on a report, against the configured thresholds (which are not part of the measurement,
     so changing them re-runs no evaluation): alpha of the shipped draft and, when it is quantized,
@@ -128,9 +137,14 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
                 computed += computed_rows(name, t, accepts, refs[t], k_max)
             progress.advance(task)
         for name, draft in drafts.items():
+            progress.update(task, description=f"step costs: {name}")
+            same = next((other for other in step_ms if draft is not None and same_shape(drafts[other], draft)), None)
+            if same is not None:  # a W4A16 draft runs dequantized: its steps cost what its bf16 twin's cost
+                step_ms[name] = step_ms[same]
+                progress.advance(task)
+                continue
             # a fresh engine per proposer: engines share the target, and each one's setup replaces its KV
             # cache (and CUDA graphs captured on it), so an engine is never reused after another
-            progress.update(task, description=f"step costs: {name}")
             engine = engine_of(draft)
             proposer = PromptLookup(target.args.vocab_size) if draft is None else None
             step_ms[name] = {k: engine.time_step(e.batch_size, k, proposer=proposer) for k in range(1, k_max + 1)}

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from draftsmith.evaluate.stage import gates
 from draftsmith.evaluate.cost import choose_k, expected_tokens, predicted_speedup
@@ -124,6 +125,9 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
     assert check["outputs_equal_plain"] and check["difference"] == 0.0, check
     assert [r["k"] for r in report["engine"]] == [0, report["num_speculative_tokens"]]
     assert report["speed"]["measured_speedup"]["w4a16"][str(report["num_speculative_tokens"])] > 0
+    # drafts of one shape are timed once (W4A16 runs dequantized); prompt lookup has steps of its own
+    step_ms = report["speed"]["step_ms"]
+    assert step_ms["w4a16"] == step_ms["bf16"] == step_ms["initial"] != step_ms["prompt_lookup"]
     for name in ("eval.md", "acceptance_by_position.png", "tau_vs_k.png", "speedup.png"):
         assert (out / name).stat().st_size > 0
     assert "tau_k5_initial" in done.stdout and "tau_k5_prompt_lookup" in done.stdout
@@ -228,3 +232,17 @@ def test_computed_acceptance_at_t1_is_the_engines_expectation(tiny_models):
     assert 0.2 < rows[2].alpha < 0.9
     assert measured.tau == pytest.approx(rows[2].tau, abs=0.06)
     assert measured.acceptance_rate == pytest.approx(rows[2].alpha, abs=0.03)
+
+
+def test_drafts_of_one_shape_share_step_costs(tiny_chat_target, tmp_path):
+    from draftsmith.evaluate.stage import same_shape
+    from draftsmith.serve.engine import load_draft
+    from tests.conftest import save_truncated_draft
+
+    two = save_truncated_draft(tiny_chat_target, tmp_path / "two", keep_layers=2)
+    one = save_truncated_draft(tiny_chat_target, tmp_path / "one", keep_layers=1)
+    load = lambda path, vocab=None: load_draft(path, torch.float32, "cpu", vocab)
+    assert same_shape(load(two), load(two)) and not same_shape(load(two), load(one))
+    assert not same_shape(load(two), None) and not same_shape(None, None)
+    assert not same_shape(load(two), load(two, range(64)))  # a vocabulary subset makes the head cheaper
+    assert same_shape(load(two, range(64)), load(two, range(64, 128)))
