@@ -38,6 +38,12 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def acceptance_rate(alpha: float, k: int) -> float:
+    """accepted / drafted at K (vLLM's acceptance-rate counters) when each draft is kept with probability
+    alpha: the accepted run averages tau - 1 of K drafts, so the rate falls with K at a fixed alpha."""
+    return (expected_tokens(alpha, k) - 1) / k
+
+
 def predicted_speedup(tau: float, plain_step_ms: float, step_ms: float) -> float:
     """tau tokens per speculative step of step_ms, against one token per plain step of plain_step_ms."""
     return tau * plain_step_ms / step_ms

@@ -68,20 +68,22 @@ def write_plots(report: dict, out: Path) -> None:
 
 
 def markdown(report: dict) -> str:
-    """Tables of tau and alpha per proposer and K, the chosen K and the gates."""
+    """Tables of tau per proposer and K with alpha (K = 1) and the share kept at the chosen K, the chosen K and the gates."""
     max_k = report["max_speculative_tokens"]
     ks = range(1, max_k + 1)
+    chosen_k = report["num_speculative_tokens"]
     lines = [f"Held-out prompts: {report['eval_split']['num_prompts']}, {report['eval_split']['max_new_tokens']} new "
-             f"tokens each, on {report['device']}. tau = tokens per target step (bonus included); alpha = accepted / drafted.",
-             ""]
+             f"tokens each, on {report['device']}. tau = tokens per target step (bonus included); alpha = the share "
+             f"of drafted tokens the target keeps at K=1; kept = accepted / drafted at the chosen K (vLLM's acceptance "
+             f"rate, which falls with K).", ""]
     for t in report["temperatures"]:
-        lines += [f"**T = {t:g}**", "", "| proposer | " + " | ".join(f"tau K={k}" for k in ks) + f" | alpha K={report['num_speculative_tokens']} |",
-                  "|---" * (max_k + 2) + "|"]
+        lines += [f"**T = {t:g}**", "", "| proposer | " + " | ".join(f"tau K={k}" for k in ks) + f" | alpha | kept K={chosen_k} |",
+                  "|---" * (max_k + 3) + "|"]
         for name in report["proposers"]:
             rows = rows_of(report, name, t)
-            chosen = rows.get(report["num_speculative_tokens"])
             taus = " | ".join(f"{rows[k]['tau']:.3f}" if k in rows else "" for k in ks)
-            lines.append(f"| {name} | {taus} | {chosen['alpha']:.3f} |" if chosen else f"| {name} | {taus} | |")
+            rate = lambda k: f"{rows[k]['alpha']:.3f}" if k in rows else ""
+            lines.append(f"| {name} | {taus} | {rate(1)} | {rate(chosen_k)} |")
         lines.append("")
     k, check, speed = report["num_speculative_tokens"], report["cross_check"], report["speed"]
     lines += [f"Chosen num_speculative_tokens: **{k}** ({report['why']}).", "",

@@ -107,7 +107,7 @@ def _print_published(outputs: dict[str, StageOutput]) -> None:
     bundle, m = bundle_of(outputs["publish"]), outputs["publish"].metrics
     target = load_reference(outputs["target"])["path"]
     log.info("bundle: %s", bundle)
-    log.info("alpha=%.4f tau=%.4f num_speculative_tokens=%d measured speedup %.2fx quantization=%s", m["alpha"], m["tau"],
+    log.info("alpha=%.4f (K=1) tau=%.4f num_speculative_tokens=%d measured speedup %.2fx quantization=%s", m["alpha"], m["tau"],
              m["num_speculative_tokens"], m["measured_speedup"], m["quantization"])
     log.info("%s", vllm_command(bundle, target, m["method"], m["num_speculative_tokens"], m["max_model_len"]))
     registered = outputs.get("registry")

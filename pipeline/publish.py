@@ -92,15 +92,21 @@ def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: di
     return "\n".join(lines) + "\n"
 
 
-def alert_rules(min_alpha: float) -> str:
+def alert_rules(min_alpha: float, k: int) -> str:
     """The shipped Prometheus rules (serve/monitoring/alerts.yml) with the low-acceptance alert at this
-    bundle's own gate, so that the alert fires where the gate would have refused the draft."""
+    bundle's own gate: the served counters give accepted / drafted, which at K drafts per step is
+    acceptance_rate(alpha, K), so the alert fires below the rate of a draft at evaluate.min_alpha (under
+    adaptive K, steps with fewer drafts keep a larger share: the alert errs towards staying quiet)."""
     import re
     from importlib import resources
 
+    from draftsmith.evaluate.cost import acceptance_rate
+
+    rate = round(acceptance_rate(min_alpha, k), 4)
     text = (resources.files("draftsmith.serve") / "monitoring" / "alerts.yml").read_text()
-    text = re.sub(r"(draftsmith:spec_decode_num_draft_tokens_total\[5m\]\)\)) < [0-9.]+", rf"\1 < {min_alpha:g}", text, count=1)
-    return text.replace("< 55% for 5 minutes", f"< {min_alpha:.0%} (the bundle's evaluate.min_alpha) for 5 minutes")
+    text = re.sub(r"(draftsmith:spec_decode_num_draft_tokens_total\[5m\]\)\)) < [0-9.]+", rf"\1 < {rate:g}", text, count=1)
+    return text.replace("< 55% for 5 minutes", f"< {rate:.1%} for 5 minutes (alpha {min_alpha:g}, the bundle's "
+                                                 f"evaluate.min_alpha, at K={k})")
 
 
 def link_or_copy(source: Path, dest: Path) -> None:
@@ -145,7 +151,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     (bundle / "serve.sh").write_text(serve_script(target, method, k, max_model_len))
     (bundle / "serve.sh").chmod(0o755)
     (bundle / "eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
-    (bundle / "alerts.yml").write_text(alert_rules(cfg.evaluate.min_alpha))
+    (bundle / "alerts.yml").write_text(alert_rules(cfg.evaluate.min_alpha, k))
     for name in PLOTS:
         shutil.copy2(evaluation.path / name, bundle / name)
     (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,
@@ -153,6 +159,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     manifest = bundles.write_manifest(bundle)
     bundles.verify(bundle)
     return {"num_speculative_tokens": k, "method": method, "alpha": evaluation.metrics["alpha"], "tau": evaluation.metrics["tau"],
+            "acceptance_rate": evaluation.metrics.get("acceptance_rate"),
             "measured_speedup": evaluation.metrics["measured_speedup"],
             "quantization": inputs["quantize"].metrics.get("scheme", "none"), "files": len(manifest["files"]),
             "size_mb": round(sum(f["size"] for f in manifest["files"].values()) / 1e6, 2), "max_model_len": max_model_len,

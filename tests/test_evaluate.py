@@ -61,24 +61,47 @@ def test_replay_counts_steps_as_the_engine_does():
     assert steps == pytest.approx(1 + 0.5 + 0.5) and accepted == pytest.approx(0.75 * 2)
 
 
-def report(shipped: str, k: int, **taus_alphas) -> dict:
-    rows = [{"proposer": name, "temperature": 0.0, "k": k, "alpha": alpha, "tau": tau}
-            for name, (alpha, tau) in taus_alphas.items()]
+def report(shipped: str, k: int, **alphas_taus) -> dict:
+    """proposer=((alpha, tau) at K = 1, (alpha, tau) at the chosen K)."""
+    rows = [{"proposer": name, "temperature": 0.0, "k": kk, "alpha": alpha, "tau": tau}
+            for name, by_k in alphas_taus.items() for kk, (alpha, tau) in zip((1, k), by_k)]
     return {"shipped": shipped, "num_speculative_tokens": k, "acceptance": rows}
 
 
 def test_gates_on_alpha_and_on_the_w4a16_tau_loss():
     thresholds = SimpleNamespace(min_alpha=0.55, max_tau_loss=0.03)
-    quantized = report("w4a16", 2, w4a16=(0.625, 2.25), bf16=(0.75, 2.5))
+    quantized = report("w4a16", 2, w4a16=((0.625, 1.625), (0.625, 2.25)), bf16=((0.75, 1.75), (0.75, 2.5)))
     result = gates(thresholds, quantized)
     assert result["min_alpha"]["value"] == pytest.approx(0.625) and result["min_alpha"]["passed"]
     assert result["max_tau_loss"]["value"] == pytest.approx(0.1) and not result["max_tau_loss"]["passed"]
     assert not result["passed"]
     assert gates(SimpleNamespace(min_alpha=0.55, max_tau_loss=0.1), quantized)["passed"]
-    only_bf16 = report("bf16", 2, bf16=(0.75, 2.5))
+    only_bf16 = report("bf16", 2, bf16=((0.75, 1.75), (0.75, 2.5)))
     passed = gates(SimpleNamespace(min_alpha=0.7, max_tau_loss=0.03), only_bf16)
     assert passed["passed"] and passed["max_tau_loss"]["value"] is None
     assert not gates(SimpleNamespace(min_alpha=0.8, max_tau_loss=0.03), only_bf16)["passed"]
+
+
+def test_the_alpha_gate_reads_k1_so_a_longer_k_that_pays_is_not_refused():
+    # the H200 head: alpha 0.80 at K = 1, but 0.35 of its drafts kept at the chosen K = 7
+    head = report("eagle3", 7, eagle3=((0.803, 1.803), (0.3535, 3.474)))
+    result = gates(SimpleNamespace(min_alpha=0.55, max_tau_loss=0.03), head)
+    assert result["passed"] and result["min_alpha"]["value"] == pytest.approx(0.803)
+    assert not gates(SimpleNamespace(min_alpha=0.85, max_tau_loss=0.03), head)["passed"]
+
+
+def test_the_bundles_alert_fires_below_the_rate_of_its_gate_at_its_k():
+    import yaml
+
+    from draftsmith.evaluate.cost import acceptance_rate, expected_tokens
+    from draftsmith.pipeline.publish import alert_rules
+
+    assert acceptance_rate(0.55, 1) == pytest.approx(0.55) and acceptance_rate(0.0, 5) == 0.0
+    assert acceptance_rate(0.8, 4) == pytest.approx((expected_tokens(0.8, 4) - 1) / 4)
+    assert acceptance_rate(0.55, 7) == pytest.approx(0.1719, abs=1e-4) and acceptance_rate(0.55, 7) < acceptance_rate(0.55, 3)
+    for k, rate in ((1, "0.55"), (7, "0.1719")):
+        rule = yaml.safe_load(alert_rules(0.55, k))["groups"][0]["rules"][0]
+        assert rule["expr"].strip().endswith(f"< {rate}") and f"at K={k}" in rule["annotations"]["summary"]
 
 
 def run(*args, cwd):
@@ -103,6 +126,10 @@ def evaluated(tiny_chat_target, tmp_path_factory):
     done = run(*args, cwd=tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tmp, args, done
+
+
+def rows_at(report: dict, proposer: str, k: int) -> dict:
+    return next(r for r in report["acceptance"] if (r["proposer"], r["temperature"], r["k"]) == (proposer, 0.0, k))
 
 
 def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
@@ -131,6 +158,13 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
     for name in ("eval.md", "acceptance_by_position.png", "tau_vs_k.png", "speedup.png"):
         assert (out / name).stat().st_size > 0
     assert "tau_k5_initial" in done.stdout and "tau_k5_prompt_lookup" in done.stdout
+    metrics = json.loads((out / "stage.json").read_text())["metrics"]  # alpha per drafted token; the rate at K
+    assert metrics["alpha"] == rows_at(report, "w4a16", 1)["alpha"]
+    assert metrics["acceptance_rate"] == rows_at(report, "w4a16", report["num_speculative_tokens"])["alpha"]
+    k = report["num_speculative_tokens"]
+    md = (out / "eval.md").read_text()
+    assert f"| alpha | kept K={k} |" in md
+    assert f"| {rows_at(report, 'w4a16', 1)['alpha']:.3f} | {rows_at(report, 'w4a16', k)['alpha']:.3f} |" in md
 
 
 def test_eval_json_is_reproducible(evaluated):
