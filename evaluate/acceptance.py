@@ -18,6 +18,7 @@ prompt lookup's is a function of the text so far.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -30,6 +31,7 @@ from draftsmith.serve.engine import Engine
 from draftsmith.serve.model import Transformer
 from draftsmith.serve.proposers import Proposer, full_vocab_logits, lookup
 from draftsmith.serve.sampling import RowSampling, SamplingParams, probabilities
+from draftsmith.serve.scheduler import Scheduler
 from draftsmith.serve.stats import SpecStats
 
 
@@ -228,13 +230,14 @@ class Measurement:
 
 def measure(engine: Engine, name: str, prompts: Sequence[Sequence[int]], params: SamplingParams, k: int,
             proposer: Proposer | None = None) -> Measurement:
-    """Generate for every prompt, engine.max_batch_size at a time, and sum the counters."""
-    stats, tokens, seconds, steps, outputs = SpecStats(), 0, 0.0, 0, []
-    for i in range(0, len(prompts), engine.max_batch_size):
-        generation = engine.generate(prompts[i:i + engine.max_batch_size], params, k, proposer=proposer)
-        stats.merge(generation.stats)
-        tokens += generation.num_tokens
-        seconds += generation.seconds
-        steps += generation.target_steps
-        outputs += [c.tokens for c in generation.completions]
-    return Measurement(name, params.temperature, k, stats, tokens, seconds, steps, outputs)
+    """Every prompt through the continuous-batching scheduler at a fixed K, engine.max_batch_size rows at
+    once, as a server runs them: a request joins where another finishes. (Batches that each waited for
+    their slowest row measured 1.12x at batch 32 on the H200 where the head's tau predicted 2.14x.)"""
+    started = time.perf_counter()
+    # one generator seeded once for the whole run (a seed in each request's params would give every request
+    # the same random draws)
+    scheduler = Scheduler(engine, k, adaptive=False, seed=params.seed, proposer=proposer)
+    completions, steps, stats = scheduler.run_all(prompts, replace(params, seed=None))
+    seconds = time.perf_counter() - started  # the last step's tokens were read back: the device is done
+    outputs = [c.tokens for c in completions]
+    return Measurement(name, params.temperature, k, stats, sum(map(len, outputs)), seconds, steps, outputs)

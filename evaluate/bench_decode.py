@@ -25,7 +25,7 @@ import torch
 
 from draftsmith.serve.engine import DTYPES, Engine, eos_ids_of, load_draft
 from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.scheduler import Request, Scheduler
+from draftsmith.serve.scheduler import Scheduler
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.weights import load_model
 
@@ -129,12 +129,8 @@ def bench_batch(engine: Engine, method: str, prompts: list[list[int]], new_token
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
     def run():
-        stats, steps, done = SpecStats(), [0], {}
-        scheduler.on_step = lambda k_, accepted: (stats.record(k_, accepted) if k_ else None, steps.__setitem__(0, steps[0] + 1))
-        for i in range(requests):
-            scheduler.submit(Request(prompts[i % len(prompts)], params, on_done=lambda r, i=i: done.__setitem__(i, r.tokens)))
-        scheduler.drain()
-        return [done[i] for i in range(requests)], steps[0], stats
+        completions, steps, stats = scheduler.run_all([prompts[i % len(prompts)] for i in range(requests)], params)
+        return [c.tokens for c in completions], steps, stats
 
     return timed(method, run, repeats, device, k > 0)
 

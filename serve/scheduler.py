@@ -22,6 +22,7 @@ import torch
 from draftsmith.evaluate.cost import expected_tokens
 from draftsmith.serve.engine import Completion, Engine, EngineError, Launched, Logprobs
 from draftsmith.serve.graphs import bucket
+from draftsmith.serve.proposers import Proposer
 from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
@@ -96,8 +97,12 @@ class StepCostTable:
 
 class Scheduler:
     def __init__(self, engine: Engine, num_speculative_tokens: int, adaptive: bool = True, prior_alpha: float = 0.5,
-                 seed: int | None = None, on_step: Callable[[int, list[int]], None] = lambda k, accepted: None):
-        if num_speculative_tokens > 0 and engine.draft_proposer is None:
+                 seed: int | None = None, on_step: Callable[[int, list[int]], None] = lambda k, accepted: None,
+                 proposer: Proposer | None = None):
+        """proposer: what drafts (default: the engine's draft model or head; prompt lookup reads each row's
+        text so far, so its steps are handed out before the next launch)."""
+        self.proposer = proposer or engine.draft_proposer
+        if num_speculative_tokens > 0 and self.proposer is None:
             raise EngineError("num_speculative_tokens > 0 needs an engine with a draft model")
         self.engine, self.max_k, self.adaptive, self.prior_alpha = engine, num_speculative_tokens, adaptive, prior_alpha
         self.on_step = on_step  # (K, accepted drafts per row; [] when K = 0) after every step: metrics
@@ -116,7 +121,7 @@ class Scheduler:
     # -- the caller's side (any thread) -----------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue a request; EngineError (too long, ids outside the vocabulary) is raised here, at once."""
-        self.engine.check([request.prompt], [request.params], self.max_k, self.engine.draft_proposer)
+        self.engine.check([request.prompt], [request.params], self.max_k, self.proposer)
         with self.wake:
             self.waiting.append(request)
             self.wake.notify()
@@ -181,12 +186,37 @@ class Scheduler:
         while self.waiting or self.num_running or self.in_flight is not None:
             self.step()
 
+    def run_all(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[list[Completion], int, SpecStats]:
+        """Every prompt through the batch, as many at once as there are rows, each next one joining where a
+        row finishes (not waiting for the slowest row, as a static batch would), until all are done: the
+        completions in prompt order, the target steps taken and the drafts' counters."""
+        stats, steps, done = SpecStats(), [0], {}
+
+        def count(k: int, accepted: list[int]) -> None:
+            steps[0] += 1
+            if k:
+                stats.record(k, accepted)
+
+        earlier, self.on_step = self.on_step, count
+        try:
+            for i, prompt in enumerate(prompts):
+                self.submit(Request(list(prompt), params, on_done=lambda result, i=i: done.__setitem__(i, result)))
+            self.drain()
+        finally:
+            self.on_step = earlier
+        if failed := next((r for r in done.values() if isinstance(r, BaseException)), None):
+            raise failed
+        return [done[i] for i in range(len(prompts))], steps[0], stats
+
     @torch.inference_mode()
     def step(self) -> None:
         """Launch a step over the running rows, then hand out the tokens of the step launched before it,
         which the device has finished or is finishing meanwhile (a step whose rows want logprobs is
         handed out at once: the next launch rewrites its logits)."""
         self._retire_cancelled()
+        if self.in_flight is not None and self._reads_history(self.max_k):  # a plain step's tokens, before a lookup
+            self._hand_out(*self.in_flight)
+            self.in_flight = None
         self._admit()
         busy = [i for i, r in enumerate(self.rows) if r is not None]
         launched = self._launch(busy) if busy else None
@@ -194,7 +224,8 @@ class Scheduler:
         if earlier is not None:
             self._hand_out(*earlier)
         if launched is not None:
-            if not self.engine.overlap or any(r is not None and r.request.logprobs is not None for r in launched[1]):
+            if (not self.engine.overlap or self._reads_history(launched[0].k)
+                    or any(r is not None and r.request.logprobs is not None for r in launched[1])):
                 self._hand_out(*launched)
             else:
                 self.in_flight = launched
@@ -205,8 +236,12 @@ class Scheduler:
         k = self._choose_k(n, [r.acceptance.alpha for r in running if r is not None])
         active = self._active(tuple(r is not None for r in running))
         state = self.state.rows(n)  # views: they advance in place
-        return self.engine.launch(state, active, k, self._row_sampling(running), self._random(running),
-                                  self.engine.draft_proposer), running
+        histories = [r.request.prompt + r.stop.tokens if r is not None else [0] for r in running] if self._reads_history(k) else []
+        return self.engine.launch(state, active, k, self._row_sampling(running), self._random(running), self.proposer,
+                                  histories), running
+
+    def _reads_history(self, k: int) -> bool:
+        return k > 0 and self.proposer.reads_history
 
     def _active(self, rows: tuple[bool, ...]) -> torch.Tensor:
         """The rows' mask on the device, made once per pattern (a fresh one would wait for the step in flight)."""

@@ -280,3 +280,20 @@ def test_drafts_of_one_shape_share_step_costs(tiny_chat_target, tmp_path):
     assert not same_shape(load(two), None) and not same_shape(None, None)
     assert not same_shape(load(two), load(two, range(64)))  # a vocabulary subset makes the head cheaper
     assert same_shape(load(two, range(64)), load(two, range(64, 128)))
+
+
+def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decodings_tokens(tiny_models):
+    from draftsmith.evaluate.bench_decode import run_bench
+    from tests.test_speculative import random_prompts
+
+    target_dir, draft_dir = tiny_models["llama"]
+    prompts = random_prompts(3, 97, seed=4)
+    rows = run_bench(target_dir, [draft_dir], prompts, new_tokens=12, ks=(1, 3), device="cpu", dtype="float64", repeats=2, batch=2)
+    assert [r.method for r in rows] == ["plain, eager", "draft K=1, eager", "draft K=3, eager", "plain, batch 2",
+                                        "draft adaptive K<=3, batch 2"]
+    assert all(len(r.runs_tokens_per_s) == 2 and r.tokens_per_s > 0 for r in rows)  # every row: the same repeats
+    plain, k1, k3, plain_batch, adaptive = rows
+    assert plain.tokens == k1.tokens == k3.tokens == 3 * 12 and plain_batch.tokens == adaptive.tokens == 8 * 12
+    assert plain.target_steps == 3 * 11  # each prompt's first token comes from its prefill
+    assert k1.matches_plain and k3.matches_plain and adaptive.matches_plain  # the same tokens, compared, not counted
+    assert k3.tau > 1 and k3.target_steps < plain.target_steps  # drafts were kept: fewer target steps

@@ -204,3 +204,29 @@ def test_a_seeded_request_gets_the_same_tokens_alone_or_joining_a_busy_batch(tin
     other_seed, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False),
                             [prompts[0]], SamplingParams(temperature=1.0, max_new_tokens=10, seed=6, ignore_eos=True))
     assert other_seed[0].tokens != alone[0].tokens
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_prompt_lookup_through_the_scheduler_reads_each_rows_text_so_far(tiny_models, adaptive):
+    # prompt lookup drafts from the row's text: its steps are handed out before the next launch, and a plain
+    # step left in flight (adaptive K at 0) is handed out before a lookup step reads the text
+    from draftsmith.serve.proposers import PromptLookup
+
+    target_dir, _ = tiny_models["smollm2"]
+    target = load_model(target_dir, torch.float64)
+    engine = Engine(target, None, max_batch_size=4, max_seq_len=64, overlap=True)
+    prompts = [[i % 5 + j for i in range(12)] for j in range(10)]  # repetitive: lookup finds matches
+    params = SamplingParams(max_new_tokens=16)
+    expected = [engine.generate([p], params).completions[0].tokens for p in prompts]
+    lookup = PromptLookup(target.args.vocab_size)
+    scheduler = Scheduler(engine, num_speculative_tokens=3, adaptive=adaptive, proposer=lookup)
+    if adaptive:  # plain steps cost a third of a lookup step: adaptive K alternates between 0 and 3
+        scheduler.costs = StepCostTable({(b, k): 1.0 + (2.0 if k else 0.0) for b in (1, 2, 4) for k in range(4)})
+    completions, ks = collect(scheduler, prompts, params, join_every=1)
+    assert [c.tokens for c in completions] == expected and ks  # lookup steps ran (probes, under adaptive K)
+    fixed = Scheduler(engine, num_speculative_tokens=3, adaptive=False, proposer=lookup)
+    _, steps, stats = fixed.run_all(prompts, params)
+    _, plain_steps, _ = Scheduler(engine, num_speculative_tokens=0, adaptive=False).run_all(prompts, params)
+    assert stats.num_accepted_tokens > 0 and steps < plain_steps
+    with pytest.raises(EngineError, match="draft"):
+        Scheduler(engine, num_speculative_tokens=3)
