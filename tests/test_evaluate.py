@@ -83,11 +83,11 @@ def test_gates_on_alpha_and_on_the_w4a16_tau_loss():
 
 
 def test_the_alpha_gate_reads_k1_so_a_longer_k_that_pays_is_not_refused():
-    # the H200 head: alpha 0.80 at K = 1, but 0.35 of its drafts kept at the chosen K = 7
-    head = report("eagle3", 7, eagle3=((0.803, 1.803), (0.3535, 3.474)))
+    # the H200 head: alpha 0.764 at K = 1, but 0.35 of its drafts kept at the chosen K = 7
+    head = report("eagle3", 7, eagle3=((0.764, 1.764), (0.3535, 3.474)))
     result = gates(SimpleNamespace(min_alpha=0.55, max_tau_loss=0.03), head)
-    assert result["passed"] and result["min_alpha"]["value"] == pytest.approx(0.803)
-    assert not gates(SimpleNamespace(min_alpha=0.85, max_tau_loss=0.03), head)["passed"]
+    assert result["passed"] and result["min_alpha"]["value"] == pytest.approx(0.764)
+    assert not gates(SimpleNamespace(min_alpha=0.8, max_tau_loss=0.03), head)["passed"]
 
 
 def test_the_bundles_alert_fires_below_the_rate_of_its_gate_at_its_k():
