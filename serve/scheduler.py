@@ -161,7 +161,7 @@ class Scheduler:
                          _memory(e.device))
 
     def _time_steps(self, batch: int) -> None:
-        self.costs.step_ms.update({(batch, k): self.engine.time_step(batch, k) for k in range(self.max_k + 1)})
+        self.costs.step_ms.update({(batch, k): self.engine.time_step(batch, k, proposer=self.proposer) for k in range(self.max_k + 1)})
 
     def serve_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():

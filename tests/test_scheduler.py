@@ -220,7 +220,9 @@ def test_prompt_lookup_through_the_scheduler_reads_each_rows_text_so_far(tiny_mo
     expected = [engine.generate([p], params).completions[0].tokens for p in prompts]
     lookup = PromptLookup(target.args.vocab_size)
     scheduler = Scheduler(engine, num_speculative_tokens=3, adaptive=adaptive, proposer=lookup)
-    if adaptive:  # plain steps cost a third of a lookup step: adaptive K alternates between 0 and 3
+    if adaptive:  # the lookup's own steps timed (no draft model here); then plain steps cost a third of a
+        scheduler.warm_up(full=False, batch_sizes=[1])  # lookup step's: adaptive K runs plain with probes
+        assert set(scheduler.costs.step_ms) == {(1, k) for k in range(4)}
         scheduler.costs = StepCostTable({(b, k): 1.0 + (2.0 if k else 0.0) for b in (1, 2, 4) for k in range(4)})
     completions, ks = collect(scheduler, prompts, params, join_every=1)
     assert [c.tokens for c in completions] == expected and ks  # lookup steps ran (probes, under adaptive K)
