@@ -140,7 +140,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
             progress.advance(task)
         for name, draft in drafts.items():
             progress.update(task, description=f"step costs: {name}")
-            same = next((other for other in step_ms if draft is not None and same_shape(drafts[other], draft)), None)
+            same = next((other for other in step_ms if same_shape(drafts[other], draft)), None)
             if same is not None:  # a W4A16 draft runs dequantized: its steps cost what its bf16 twin's cost
                 step_ms[name] = step_ms[same]
                 progress.advance(task)
