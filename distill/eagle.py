@@ -155,6 +155,7 @@ def divergence_fn(name: str, temperature: float, beta: float):
 class EagleObjective:
     """Training objective of an EAGLE-3 head (see the module's docstring); the target runs online."""
     online = True
+    packs = False  # the unrolled head's attention spans its row
 
     def __init__(self, cfg, aux_layers: tuple[int, ...], vocab: list[int], layer_config: dict, verifier: dict):
         self.cfg, self.aux_layers, self.layer_config, self.verifier = cfg, aux_layers, layer_config, verifier
@@ -165,7 +166,7 @@ class EagleObjective:
     def target_outputs(self, target, batch) -> tuple[Tensor, Tensor]:
         """The target's hidden states entering the aux layers [B, S, F] and its logits over the draft
         vocabulary [B, S, V'] at every position."""
-        out = target.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+        out = target.model(**batch.inputs(), output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1)
         self.vocab = self.vocab.to(batch.input_ids.device)
         head_rows = target.get_output_embeddings().weight[self.vocab]  # [V', hidden]

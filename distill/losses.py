@@ -71,3 +71,44 @@ def full(student_logits: Tensor, target_logits: Tensor, temperature: float) -> t
 def hard_label(student_logits: Tensor, labels: Tensor) -> Tensor:
     """Cross-entropy on the teacher's sampled tokens, per position."""
     return F.cross_entropy(student_logits.float(), labels, reduction="none")
+
+
+def chunked_mean(hidden: Tensor, weight: Tensor, per_position, chunk: int) -> Tensor:
+    """The mean over rows of per_position(logits[rows], rows), where logits = hidden @ weight.T ([N, V])
+    are built `chunk` rows at a time and never whole: each chunk's gradient is taken as its loss is, and
+    kept as gradients of `hidden` [N, H] and `weight` [V, H] instead of as [N, V] logits. Numerically the
+    same as per_position(hidden @ weight.T, all rows).mean(), at a fraction of the memory traffic."""
+    return _ChunkedMean.apply(hidden, weight, per_position, chunk)
+
+
+class _ChunkedMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, per_position, chunk: int) -> Tensor:
+        n = hidden.shape[0]
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, n, chunk):
+            rows = slice(start, min(n, start + chunk))
+            h = hidden[rows]
+            logits = F.linear(h, weight)  # in the ambient autocast dtype, as the model's own LM head would be
+            with torch.enable_grad():
+                z = logits.detach().float().requires_grad_()
+                loss = per_position(z, rows).sum()
+                (grad_z,) = torch.autograd.grad(loss, z)
+            total += loss.detach()
+            grad_z = grad_z.to(logits.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = (grad_z @ weight.to(grad_z.dtype)).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += (grad_z.t() @ h.to(grad_z.dtype)).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.n, ctx.weight_dtype = max(n, 1), weight.dtype
+        return total / max(n, 1)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_output / ctx.n
+        return (grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None,
+                (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None, None, None)

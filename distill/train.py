@@ -25,44 +25,77 @@ from draftsmith.pipeline.config import DistillConfig
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor | None  # [B, L]; None for packed rows, whose position_ids say where sequences start
     predict: torch.Tensor  # [B, L] bool: positions whose next token is a response token
     labels: torch.Tensor  # [N] the response tokens, in order of `predict`
     topk_ids: torch.Tensor | None  # [N, k]
     topk_logprobs: torch.Tensor | None  # [N, k]
+    position_ids: torch.Tensor | None = None  # [B, L] packed rows: each sequence counts from 0
 
     @property
     def num_targets(self) -> int:
         return int(self.labels.numel())
 
+    def inputs(self) -> dict[str, torch.Tensor | None]:
+        """The model's keyword arguments for these rows (no cache: a packed row needs none to be seen as packed)."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids,
+                "use_cache": False}
 
-def collate(rows: list[dict], max_seq_len: int, device: torch.device) -> Batch:
-    """Pad prompt + response to the longest; each response token is predicted from the position before it."""
+
+def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: indices of `lengths` grouped so that no group's total exceeds `capacity`
+    (every length is at most capacity), longest first."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            bins.append([])
+            room.append(capacity)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        room[slot] -= lengths[i]
+    return bins
+
+
+def collate(rows: list[dict], max_seq_len: int, device: torch.device, pack: bool = False) -> Batch:
+    """Prompt + response per row, right-padded to the longest; each response token is predicted from the
+    position before it. pack=True: sequences share rows of at most max_seq_len tokens (first-fit
+    decreasing), each attending to itself only, so that little compute goes to padding."""
     sequences, spans = [], []
     for row in rows:
         prompt, response = row["prompt_ids"], row["response_ids"]
         seq = (prompt + response)[:max_seq_len]
         sequences.append(seq)
         spans.append((len(prompt) - 1, len(seq) - 1))  # predicting positions [start, end)
-    longest = max(len(s) for s in sequences)
-    input_ids = np.zeros((len(rows), longest), dtype=np.int64)  # built in numpy: one copy to torch, not one per row
-    attention_mask = np.zeros((len(rows), longest), dtype=np.int64)
-    predict = np.zeros((len(rows), longest), dtype=bool)
+    placement = pack_bins([len(s) for s in sequences], max_seq_len) if pack else [[i] for i in range(len(rows))]
+    width = max(sum(len(sequences[i]) for i in members) for members in placement)
+    input_ids = np.zeros((len(placement), width), dtype=np.int64)  # built in numpy: one copy to torch, not one per row
+    attention_mask = np.zeros((len(placement), width), dtype=np.int64)
+    position_ids = np.zeros((len(placement), width), dtype=np.int64)
+    predict = np.zeros((len(placement), width), dtype=bool)
     labels, topk_ids, topk_logprobs = [], [], []
     cached = all("topk_ids" in row for row in rows)  # else (on-policy rows among them) the target runs online
-    for i, (seq, (start, end)) in enumerate(zip(sequences, spans)):
-        input_ids[i, : len(seq)] = seq
-        attention_mask[i, : len(seq)] = 1
-        predict[i, start:end] = True
-        labels.extend(seq[start + 1:end + 1])
-        if cached:
-            topk_ids.extend(rows[i]["topk_ids"][: end - start])
-            topk_logprobs.extend(rows[i]["topk_logprobs"][: end - start])
+    for b, members in enumerate(placement):
+        offset = 0
+        for i in members:  # labels in the order of `predict`, row-major
+            seq, (start, end) = sequences[i], spans[i]
+            input_ids[b, offset:offset + len(seq)] = seq
+            attention_mask[b, offset:offset + len(seq)] = 1
+            position_ids[b, offset:offset + len(seq)] = np.arange(len(seq))
+            predict[b, offset + start:offset + end] = True
+            labels.extend(seq[start + 1:end + 1])
+            if cached:
+                topk_ids.extend(rows[i]["topk_ids"][: end - start])
+                topk_logprobs.extend(rows[i]["topk_logprobs"][: end - start])
+            offset += len(seq)
+        position_ids[b, offset:] = np.arange(width - offset)  # a packed row's padding: a sequence of its own
     has_cache = bool(topk_ids)
     to = lambda array: torch.from_numpy(array).to(device, non_blocking=True)
-    return Batch(to(input_ids), to(attention_mask), to(predict), to(np.array(labels, dtype=np.int64)),
+    return Batch(to(input_ids), None if pack else to(attention_mask), to(predict), to(np.array(labels, dtype=np.int64)),
                  torch.tensor(topk_ids, device=device) if has_cache else None,
-                 torch.tensor(topk_logprobs, device=device) if has_cache else None)
+                 torch.tensor(topk_logprobs, device=device) if has_cache else None,
+                 to(position_ids) if pack else None)
 
 
 @torch.no_grad()
@@ -79,7 +112,7 @@ def predicted_logits(model, batch: Batch) -> torch.Tensor:
     every response position lies in the last `keep` positions: the LM head (V = 49,152 columns for
     SmolLM2) runs on those instead of on every prompt and padding position."""
     keep = batch.input_ids.shape[1] - int(batch.predict.int().argmax(dim=1).min())
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+    logits = model(**batch.inputs(), logits_to_keep=keep).logits
     return logits[batch.predict[:, -keep:]]  # [N, V]
 
 
@@ -111,28 +144,59 @@ def sample_continuations(model, prompts: list[list[int]], lengths: list[int], eo
 
 
 def position_loss(cfg: DistillConfig, student_logits: torch.Tensor, batch: Batch,
-                  target_logits: torch.Tensor | None) -> torch.Tensor:
-    """Per-position loss [N] of the configured kind, from the cache or from online target logits."""
+                  target_logits: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
+    """Per-position loss [n] of the configured kind at the batch's response positions `rows`, from the
+    cache or from online target logits (those rows' only)."""
     if cfg.loss.value == "hard_label":
-        return losses.hard_label(student_logits, batch.labels)
+        return losses.hard_label(student_logits, batch.labels[rows])
     if target_logits is not None:
         logp, logq = losses.full(student_logits, target_logits, cfg.temperature)
     else:
-        logp, logq = losses.bucketed(student_logits, batch.topk_ids, batch.topk_logprobs, cfg.temperature)
+        logp, logq = losses.bucketed(student_logits, batch.topk_ids[rows], batch.topk_logprobs[rows], cfg.temperature)
     return losses.divergence(cfg.loss.value, logp, logq, cfg.jsd_beta)
+
+
+def predicted_hidden(model, batch: Batch) -> torch.Tensor:
+    """The model's final hidden states [N, H] (after its last norm, what its LM head reads) at the
+    batch's response positions. Called through the model itself, so that a data-parallel wrapper sees
+    its forward; its LM head runs on one position only."""
+    out = model(**batch.inputs(), output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1][batch.predict]
 
 
 class DraftObjective:
     """A standalone draft model against the target's distribution: online target logits, or the
     teacher's top-k logit cache when the rows carry one."""
+    packs = True  # its rows may share sequences (distill.pack_sequences)
 
     def __init__(self, cfg: DistillConfig, online: bool):
         self.cfg, self.online = cfg, online
 
     def loss(self, student, target, batch: Batch) -> torch.Tensor:
+        needs_target = self.online or (batch.topk_ids is None and self.cfg.loss.value != "hard_label")
+        head = getattr(student, "module", student).get_output_embeddings()  # under a data-parallel wrapper too
+        if self.cfg.loss_chunk_size == 0 or head.bias is not None:
+            return self._whole_loss(student, target, batch, needs_target)
+        hidden = predicted_hidden(student, batch)
+        target_hidden = target_head = None
+        if needs_target:
+            with torch.no_grad():
+                target_hidden, target_head = predicted_hidden(target, batch), target.get_output_embeddings().weight
+
+        def per_position(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+            target_logits = None
+            if target_hidden is not None:
+                with torch.no_grad():
+                    target_logits = torch.nn.functional.linear(target_hidden[rows], target_head)
+            return position_loss(self.cfg, logits, batch, target_logits, rows)
+
+        return losses.chunked_mean(hidden, head.weight, per_position, self.cfg.loss_chunk_size)
+
+    def _whole_loss(self, student, target, batch: Batch, needs_target: bool) -> torch.Tensor:
+        """The loss over [N, V] logits built whole (distill.loss_chunk_size=0, or an LM head with a bias)."""
         logits = predicted_logits(student, batch)  # [N, V]
         target_logits = None
-        if self.online or (batch.topk_ids is None and self.cfg.loss.value != "hard_label"):
+        if needs_target:
             with torch.no_grad():
                 target_logits = predicted_logits(target, batch)
         return position_loss(self.cfg, logits, batch, target_logits).mean()
@@ -183,6 +247,7 @@ class Distiller:
             raise ValueError(f"no training example has a response within distill.max_seq_len={cfg.max_seq_len} tokens")
         self.cfg, self.train_rows, self.eval_rows, self.work_dir, self.seed, self.log = cfg, train_rows, eval_rows, work_dir, seed, log
         self.objective, self.eos = objective, frozenset(eos)
+        self.pack = cfg.pack_sequences and objective.packs
         cpu = cpu or not torch.cuda.is_available()
         self.accelerator = Accelerator(mixed_precision="no" if cpu else "bf16", cpu=cpu)
         self.device = self.accelerator.device
@@ -193,6 +258,8 @@ class Distiller:
             student.get_input_embeddings().requires_grad_(False)
             student.get_output_embeddings().requires_grad_(False)
         self.trainable = [p for p in student.parameters() if p.requires_grad]
+        if cfg.compile:  # the same parameters: the optimizer and checkpoints see the module's own
+            student = torch.compile(student, dynamic=True)
         optimizer = torch.optim.AdamW(self.trainable, lr=cfg.learning_rate, weight_decay=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps))
         self.draft, self.optimizer = self.accelerator.prepare(student, optimizer)
@@ -258,11 +325,11 @@ class Distiller:
         with Progress(*columns, disable=not self.accelerator.is_main_process) as bar:
             task = bar.add_task("distill", total=cfg.max_steps, completed=step, loss=float("nan"))
             while step < cfg.max_steps:
-                step_started = time.time()
+                step_started, step_tokens = time.time(), tokens
                 step_loss = 0.0
                 micro = self._micro_batches(step)
                 for i, rows in enumerate(micro):
-                    batch = collate(self._on_policy(rows, step, i), cfg.max_seq_len, self.device)
+                    batch = collate(self._on_policy(rows, step, i), cfg.max_seq_len, self.device, pack=self.pack)
                     with self.accelerator.autocast():
                         loss = self.objective.loss(self.draft, self.target, batch) / len(micro)
                     self.accelerator.backward(loss)
@@ -276,7 +343,8 @@ class Distiller:
                 loss_value = step_loss
                 train_seconds += time.time() - step_started
                 bar.update(task, completed=step, loss=loss_value)
-                self.log(step, {"train_loss": loss_value, "lr": self.scheduler.get_last_lr()[0]})
+                self.log(step, {"train_loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
+                                "tokens_per_s": (tokens - step_tokens) / (time.time() - step_started)})
                 if step % cfg.eval_every == 0 or step == cfg.max_steps:
                     history.append({"step": step, "train_loss": loss_value, **self.evaluate()})
                     self.log(step, history[-1])

@@ -2,6 +2,7 @@
 # The GPU measurements of the README's Benchmarks section, on the offline GPU machine, as calls of under
 # 10 minutes each (after `source .gpu/prelude.sh`, see ../shared/gpu/README.md), in this order:
 #   bash evaluate/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads)
+#   bash evaluate/h200_bench.sh train        distillation tokens/s by trainer setting (distill/profile_train.py)
 #   bash evaluate/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
 #   bash evaluate/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
 #   bash evaluate/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
@@ -38,12 +39,15 @@ bundle() {
   fi
 }
 
-case "${1:?tests, eagle, standalone, decode, serve, compare, batch or attention}" in
+case "${1:?tests, train, eagle, standalone, decode, serve, compare, batch or attention}" in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py 2>&1 | tail -15
   ;;
+train)
+  python3 -m draftsmith.distill.profile_train --cache-dir $root/cache
+  ;;
 eagle)
-  timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" publish.override_gates=true stop_after=publish 2>&1 | tail -60 || true
+  timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" stop_after=publish 2>&1 | tail -60 || true
   for s in teacher distill evaluate publish; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/${s}_stage.json" || true; done
   cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
   cp -r "$(newest "$root/runs/publish/*")/bundle" "$out/bundle" || true

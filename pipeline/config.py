@@ -111,6 +111,9 @@ class DistillConfig:
     max_seq_len: int = MISSING
     freeze_embeddings: bool = False  # keep the target's embedding table and LM head as they are
     on_policy_fraction: float = 0.0  # DistillSpec: this share of each batch is the draft's own continuations
+    loss_chunk_size: int = 4096  # the loss over [tokens, vocab] logits this many tokens at a time; 0: all at once
+    pack_sequences: bool = True  # a standalone draft's training sequences share rows instead of padding them
+    compile: bool = False  # torch.compile the student (dynamic shapes)
 
 
 @dataclass
@@ -183,6 +186,15 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="schema", node=DraftsmithConfig)
 
 
+def composed(*overrides: str) -> "DraftsmithConfig":
+    """The typed configuration of conf/ with `overrides`, outside a Hydra app (benchmarks, scripts)."""
+    from hydra import compose, initialize_config_module
+
+    register_schema()
+    with initialize_config_module(config_module="draftsmith.conf", version_base="1.3"):
+        return validate(compose(config_name="config", overrides=list(overrides)))
+
+
 # the pipeline's stages in order (pipeline/graph.py maps each to its code)
 STAGE_NAMES = ("target", "data", "teacher", "distill", "quantize", "evaluate", "publish", "registry")
 
@@ -215,6 +227,8 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
         _check(getattr(d, key) >= 1, f"distill.{key}", "1 or more", getattr(d, key))
     for key in ("max_new_tokens", "batch_size"):
         _check(getattr(d.teacher, key) >= 1, f"distill.teacher.{key}", "1 or more", getattr(d.teacher, key))
+    _check(d.loss_chunk_size >= 0, "distill.loss_chunk_size", "0 (the whole batch at once) or a positive number of tokens",
+           d.loss_chunk_size)
     _check(0.0 <= d.on_policy_fraction <= 1.0, "distill.on_policy_fraction", "a fraction in [0, 1]", d.on_policy_fraction)
     _check(d.on_policy_fraction == 0 or d.loss.value != "hard_label", "distill.on_policy_fraction",
            "0 with distill.loss=hard_label (the draft's own samples carry no target labels)", d.on_policy_fraction)

@@ -134,3 +134,82 @@ def test_on_policy_training_scores_the_drafts_samples_with_the_target(tiny_model
     assert all("topk_ids" not in r for r in on_policy) and collate(on_policy, 32, torch.device("cpu")).topk_ids is None
     distiller.train()
     assert sum(losses[-5:]) < 0.85 * sum(losses[:5]), losses
+
+
+@pytest.mark.parametrize("loss, cached", [("tvd", False), ("forward_kl", False), ("reverse_kl", False), ("jsd", False),
+                                          ("hard_label", False), ("tvd", True), ("jsd", True)])
+def test_the_chunked_loss_equals_the_whole_one_and_so_do_its_gradients(tiny_models, loss, cached):
+    """distill.loss_chunk_size: the loss built a few tokens at a time (never the [tokens, vocab] logits
+    whole) gives the loss and every parameter's gradient of the loss built at once, LM head included,
+    for every divergence, online target logits or the top-k cache, at T != 1."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    target_dir, draft_dir = tiny_models["llama"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for n_prompt, n_response in [(5, 7), (9, 3), (4, 11)]:
+        row = {"prompt_ids": torch.randint(3, 97, (n_prompt,), generator=g).tolist(),
+               "response_ids": torch.randint(3, 97, (n_response,), generator=g).tolist()}
+        if cached:
+            logprobs = torch.log_softmax(torch.randn(n_response, 4, generator=g), -1) - 0.3  # 4 tokens, a tail
+            row.update(topk_ids=torch.randint(3, 97, (n_response, 4), generator=g).tolist(), topk_logprobs=logprobs.tolist())
+        rows.append(row)
+    batch = collate(rows, 64, torch.device("cpu"))
+    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
+                                              top_k_logits=4 if cached else 0, batch_size=8),
+                        loss=DistillLoss(loss), temperature=1.7, jsd_beta=0.3, learning_rate=1e-2, warmup_steps=0,
+                        max_steps=1, batch_size=8, grad_accum_steps=1, max_grad_norm=1.0, eval_every=1, max_seq_len=64,
+                        loss_chunk_size=4)
+    results = []
+    for chunk in (4, 0):
+        draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+        value = DraftObjective(dataclasses.replace(cfg, loss_chunk_size=chunk), online=not cached).loss(draft, target, batch)
+        value.backward()
+        results.append((value.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()}))
+    (chunked, chunked_grads), (whole, whole_grads) = results
+    assert batch.num_targets == 21 and whole.item() > 0
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-7)
+    assert chunked_grads.keys() == whole_grads.keys() and "lm_head.weight" in chunked_grads or "model.embed_tokens.weight" in chunked_grads
+    for name, grad in whole_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_rows_train_exactly_as_padded_rows(tiny_models):
+    """distill.pack_sequences: sequences sharing rows (each attending to itself only, positions counted
+    from 0) give the padded batch's loss and gradients, in fewer, fuller rows; no row holds more than
+    max_seq_len tokens and every sequence is placed once."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.train import pack_bins
+
+    lengths = [5, 9, 3, 12, 7, 2, 8]
+    bins = pack_bins(lengths, 12)
+    assert sorted(i for b in bins for i in b) == list(range(7)) and all(sum(lengths[i] for i in b) <= 12 for b in bins)
+    assert len(bins) == 4  # 46 tokens in rows of 12: first-fit decreasing needs 4
+
+    target_dir, draft_dir = tiny_models["llama"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(2)
+    rows = [{"prompt_ids": torch.randint(3, 97, (p,), generator=g).tolist(), "response_ids": torch.randint(3, 97, (r,), generator=g).tolist()}
+            for p, r in [(5, 7), (9, 3), (4, 11), (3, 2), (6, 9), (2, 4)]]
+    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
+                                              top_k_logits=0, batch_size=8),
+                        loss=DistillLoss.tvd, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
+                        max_steps=1, batch_size=8, grad_accum_steps=1, max_grad_norm=1.0, eval_every=1, max_seq_len=24)
+    results = []
+    for pack in (True, False):
+        batch = collate(rows, 24, torch.device("cpu"), pack=pack)
+        draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+        value = DraftObjective(cfg, online=True).loss(draft, target, batch)
+        value.backward()
+        results.append((batch, value.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()}))
+    (packed, packed_loss, packed_grads), (padded, padded_loss, padded_grads) = results
+    assert packed.input_ids.shape[0] < padded.input_ids.shape[0] and packed.input_ids.numel() < padded.input_ids.numel()
+    assert packed.attention_mask is None and sorted(packed.labels.tolist()) == sorted(padded.labels.tolist())
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-7)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -1,0 +1,108 @@
+"""Distillation throughput, side by side: training tokens per second of a standalone draft with the target
+online, for the trainer's settings (the loss over the whole batch at once or in chunks, padded or packed
+rows, torch.compile), each run the same number of times in rounds, with the median and the spread.
+
+    python3 -m draftsmith.distill.profile_train [--cache-dir DIR] [--batch 128] [--steps 12] [--repeats 3]
+
+The demo target (bf16) and a 4-layer draft built from it, as the gpu preset trains them; the rows are
+random tokens with the gpu preset's lengths (prompts of 30-90 tokens, responses of 60-256, mean ~160),
+since throughput does not depend on what the tokens are. Each run trains a fresh draft for --warmup
+steps, then --steps timed ones; tokens are response tokens, as the distill stage counts them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+VARIANTS = {  # name -> DistillConfig overrides
+    "whole, padded": {"loss_chunk_size": 0, "pack_sequences": False},
+    "chunked, padded": {"loss_chunk_size": 4096, "pack_sequences": False},
+    "chunked, packed": {"loss_chunk_size": 4096, "pack_sequences": True},
+    "chunked, packed, compiled": {"loss_chunk_size": 4096, "pack_sequences": True, "compile": True},
+}
+
+
+def synthetic_rows(n: int, vocab: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=g))
+    return [{"prompt_ids": torch.randint(3, vocab, (lengths(30, 90),), generator=g).tolist(),
+             "response_ids": torch.randint(3, vocab, (lengths(60, 256),), generator=g).tolist()} for _ in range(n)]
+
+
+def one_run(cfg, target, draft_dir: Path, rows: list[dict], warmup: int, work: Path, cpu: bool) -> tuple[float, float]:
+    """(training tokens/s over the timed steps, peak GPU memory in GiB) of a fresh draft."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.train import DraftObjective, Distiller
+
+    seen: list[tuple[int, float]] = []
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    distiller = Distiller(cfg, draft, target, DraftObjective(cfg, online=True), rows, [], work, seed=0, cpu=cpu,
+                          log=lambda step, m: seen.append((step, m["tokens_per_s"])) if "tokens_per_s" in m else None)
+    if not cpu:
+        torch.cuda.reset_peak_memory_stats()
+    distiller.train()
+    timed = [rate for step, rate in seen if step > warmup]
+    return statistics.harmonic_mean(timed), 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.draft import build_from_target, every_nth_layer
+    from draftsmith.pipeline.config import TargetConfig, composed
+    from draftsmith.pipeline.target import resolve_target_dir
+    from draftsmith.serve.weights import read_config
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache-dir", default="~/.cache/draftsmith/targets")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script, not a measurement")
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all")
+    args = parser.parse_args()
+
+    target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
+    cpu = args.device == "cpu"
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32 if cpu else torch.bfloat16).to(args.device)
+    base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=args.warmup + args.steps,
+                   eval_every=10**9)
+    rows = synthetic_rows(args.batch * (args.warmup + args.steps), read_config(target_dir)["vocab_size"], seed=0)
+    names = args.variant or list(VARIANTS)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    memory: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        draft_dir = build_from_target(target_dir, Path(tmp) / "draft", every_nth_layer(read_config(target_dir)["num_hidden_layers"], 4))
+        for round_ in range(args.repeats):
+            for name in names:
+                cfg = replace(base, **VARIANTS[name])
+                started = time.time()
+                try:
+                    rate, memory[name] = one_run(cfg, target, draft_dir, rows, args.warmup,
+                                                    Path(tmp) / f"work{round_}{name}", cpu)
+                except Exception as error:  # a variant that fails here is reported, the others still run
+                    print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+                    continue
+                rates[name].append(rate)
+                print(f"round {round_ + 1} {name}: {rate:,.0f} tokens/s ({time.time() - started:.0f} s)", flush=True)
+    baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
+    print(f"\nbatch {args.batch} rows, {args.steps} timed steps after {args.warmup}, {args.repeats} rounds; "
+          f"{'CPU' if cpu else torch.cuda.get_device_name()}")
+    print(f"| variant | tokens/s (median) | spread | x {names[0]} | peak GiB |\n|---|---:|---|---:|---:|")
+    for name in names:
+        if rates[name]:
+            median = statistics.median(rates[name])
+            print(f"| {name} | {median:,.0f} | {min(rates[name]):,.0f}-{max(rates[name]):,.0f} | "
+                  f"{median / baseline:.2f} | {memory[name]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
