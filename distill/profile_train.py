@@ -52,6 +52,18 @@ def one_run(cfg, target, draft_dir: Path, rows: list[dict], warmup: int, work: P
     return statistics.harmonic_mean(timed), 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 
+def profile(cfg, target, draft_dir: Path, rows: list[dict], work: Path, cpu: bool) -> str:
+    """The heaviest operations of a run of `cfg` by GPU time, the trainer's own phases (target forward,
+    draft forward, chunked loss, backward) among them."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_run(cfg, target, draft_dir, rows, 0, work, cpu)
+    return prof.key_averages().table(sort_by="cuda_time_total" if not cpu else "cpu_time_total", row_limit=25,
+                                     max_name_column_width=60)
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
@@ -66,6 +78,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="then one more run of the last variant under torch.profiler: "
+                        "where a step's GPU time goes")
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script, not a measurement")
     parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all")
     args = parser.parse_args()
@@ -93,6 +107,8 @@ def main() -> None:
                     continue
                 rates[name].append(rate)
                 print(f"round {round_ + 1} {name}: {rate:,.0f} tokens/s ({time.time() - started:.0f} s)", flush=True)
+        if args.profile:
+            print(profile(replace(base, **VARIANTS[names[-1]]), target, draft_dir, rows, Path(tmp) / "profiled", cpu))
     baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
     print(f"\nbatch {args.batch} rows, {args.steps} timed steps after {args.warmup}, {args.repeats} rounds; "
           f"{'CPU' if cpu else torch.cuda.get_device_name()}")

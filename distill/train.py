@@ -171,16 +171,20 @@ class DraftObjective:
 
     def __init__(self, cfg: DistillConfig, online: bool):
         self.cfg, self.online = cfg, online
+        self._held_out_target: tuple[list | None, dict[int, torch.Tensor]] = (None, {})  # rows, batch start -> [N, H]
 
     def loss(self, student, target, batch: Batch) -> torch.Tensor:
         needs_target = self.online or (batch.topk_ids is None and self.cfg.loss.value != "hard_label")
         head = getattr(student, "module", student).get_output_embeddings()  # under a data-parallel wrapper too
         if self.cfg.loss_chunk_size == 0 or head.bias is not None:
             return self._whole_loss(student, target, batch, needs_target)
-        hidden = predicted_hidden(student, batch)
+        from torch.profiler import record_function  # names for distill/profile_train.py --profile
+
+        with record_function("draft forward"):
+            hidden = predicted_hidden(student, batch)
         target_hidden = target_head = None
         if needs_target:
-            with torch.no_grad():
+            with torch.no_grad(), record_function("target forward"):
                 target_hidden, target_head = predicted_hidden(target, batch), target.get_output_embeddings().weight
 
         def per_position(logits: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -190,7 +194,8 @@ class DraftObjective:
                     target_logits = torch.nn.functional.linear(target_hidden[rows], target_head)
             return position_loss(self.cfg, logits, batch, target_logits, rows)
 
-        return losses.chunked_mean(hidden, head.weight, per_position, self.cfg.loss_chunk_size)
+        with record_function("chunked loss"):
+            return losses.chunked_mean(hidden, head.weight, per_position, self.cfg.loss_chunk_size)
 
     def _whole_loss(self, student, target, batch: Batch, needs_target: bool) -> torch.Tensor:
         """The loss over [N, V] logits built whole (distill.loss_chunk_size=0, or an LM head with a bias)."""
@@ -203,10 +208,21 @@ class DraftObjective:
 
     @torch.no_grad()
     def held_out(self, student, target, rows: list[dict], device) -> dict[str, float]:
-        """Held-out loss and exact TVD to the target (full vocabulary, T = 1), per response token."""
+        """Held-out loss and exact TVD to the target (full vocabulary, T = 1), per response token. The
+        target does not train, so its final hidden states there are computed at the first evaluation of
+        `rows` and kept: later evaluations run only its LM head (on a CPU the target's forward was most
+        of an evaluation's time)."""
+        if self._held_out_target[0] is not rows:
+            self._held_out_target = (rows, {})
+        kept = self._held_out_target[1]
+        head = target.get_output_embeddings().weight
         total_tvd, total_loss, count = 0.0, 0.0, 0
-        for batch, (logits, target_logits) in response_logits([student, target], rows, self.cfg.batch_size,
-                                                              self.cfg.max_seq_len, device):
+        for start in range(0, len(rows), self.cfg.batch_size):
+            batch = collate(rows[start:start + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
+            if start not in kept:
+                kept[start] = predicted_hidden(target, batch)
+            target_logits = torch.nn.functional.linear(kept[start], head).float()
+            logits = predicted_logits(student, batch).float()
             total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
             online = None if batch.topk_ids is not None else target_logits
             total_loss += position_loss(self.cfg, logits, batch, online).sum().item()

@@ -213,3 +213,81 @@ def test_packed_rows_train_exactly_as_padded_rows(tiny_models):
     torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-7)
     for name, grad in padded_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
+    """distill.compile: the student under torch.compile (dynamic shapes: packed rows change shape every
+    step) takes the same steps as without it, and its checkpoint is the plain module's."""
+    from transformers import AutoModelForCausalLM
+
+    target_dir, draft_dir = tiny_models["llama"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    rows = [{"prompt_ids": torch.randint(3, 97, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
+             "response_ids": torch.randint(3, 97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(24)]
+    runs = []
+    for compiled in (False, True):
+        cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
+                                                  top_k_logits=0, batch_size=8),
+                            loss=DistillLoss.tvd, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
+                            max_steps=3, batch_size=8, grad_accum_steps=1, max_grad_norm=1.0, eval_every=3, max_seq_len=24,
+                            compile=compiled)
+        seen = []
+        distiller = Distiller(cfg, AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), target,
+                              DraftObjective(cfg, online=True), rows, rows[:4], tmp_path / str(compiled), seed=0, cpu=True,
+                              log=lambda step, m: seen.append(m["train_loss"]) if "lr" in m else None)
+        distiller.train()
+        distiller.save_draft(tmp_path / f"saved{compiled}")
+        runs.append(seen)
+        assert (tmp_path / f"saved{compiled}" / "model.safetensors").is_file()
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-6)
+    assert runs[0][0] != runs[0][-1]  # it trained
+    from safetensors.torch import load_file
+
+    plain, compiled = (load_file(tmp_path / f"saved{c}" / "model.safetensors") for c in (False, True))
+    assert plain.keys() == compiled.keys()
+    for name, tensor in plain.items():
+        torch.testing.assert_close(compiled[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(tiny_models):
+    """The held-out TVD and loss keep the target's hidden states from the first evaluation (the target
+    does not train): later evaluations do not run its layers, and every evaluation equals TVD computed
+    from both models' whole logits."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill import losses as L
+    from draftsmith.distill.train import response_logits
+
+    target_dir, draft_dir = tiny_models["llama"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    rows = [{"prompt_ids": torch.randint(3, 97, (5 + i % 3,), generator=g).tolist(),
+             "response_ids": torch.randint(3, 97, (4 + i % 5,), generator=g).tolist()} for i in range(7)]
+    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
+                                              top_k_logits=0, batch_size=8),
+                        loss=DistillLoss.jsd, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
+                        max_steps=1, batch_size=3, grad_accum_steps=1, max_grad_norm=1.0, eval_every=1, max_seq_len=32)
+    layer_calls = []
+    target.model.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
+    objective = DraftObjective(cfg, online=True)
+
+    def direct() -> float:
+        tvd, count = 0.0, 0
+        for batch, (q, p) in response_logits([draft, target], rows, 3, 32, "cpu"):
+            tvd += L.tvd(*L.full(q, p, 1.0)).sum().item()
+            count += batch.num_targets
+        return tvd / count
+
+    first = objective.held_out(draft, target, rows, "cpu")
+    assert len(layer_calls) == 3  # 7 rows in batches of 3
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # the draft changes between evaluations, the target does not
+    second = objective.held_out(draft, target, rows, "cpu")
+    assert len(layer_calls) == 3
+    assert second["eval_tvd"] != first["eval_tvd"]
+    expected = direct()
+    assert second["eval_tvd"] == pytest.approx(expected, rel=1e-6)
