@@ -91,6 +91,14 @@ class DraftModel:
         self.model(tokens, positions, cache_rows=cache_rows)
 
     def follow(self, state: DecodeState, out: StepOutput) -> None:
+        """After a plain step (one token out, nothing drafted), read what the next speculative step's
+        first forward expects to be cached (`previous` and `pending`, as that forward does): without it the
+        positions of plain steps stay missing from the draft's cache, and once adaptive K turns
+        speculation off its drafts stay wrong when it turns it back on. After a speculative step nothing:
+        the next one re-reads them itself."""
+        if out.tokens.shape[1] == 1:
+            positions = state.lengths.unsqueeze(1)
+            self.forward(torch.stack([state.previous, state.pending], dim=1), torch.cat([positions - 1, positions], dim=1))
         return None
 
 

@@ -3,7 +3,8 @@
 State per row: `lengths` tokens are in the target's cache; `pending` is the last emitted token, not
 yet fed to the target (it sits at position `lengths`); `previous` is the token at `lengths - 1`.
 A draft model re-reads `previous` with `pending` in its first forward, so its cache is complete whether
-or not the last step accepted every draft token, and every step has the same shapes. An EAGLE-3 head
+or not the last step accepted every draft token, and every step has the same shapes; after a plain step
+it reads the same two (`Proposer.follow`), so that its cache stays whole while adaptive K drafts nothing. An EAGLE-3 head
 instead catches up after the target's forward (`Proposer.follow`) and keeps its hidden state for the
 position before `pending` in `draft_hidden`.
 """

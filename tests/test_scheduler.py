@@ -232,3 +232,33 @@ def test_prompt_lookup_through_the_scheduler_reads_each_rows_text_so_far(tiny_mo
     assert stats.num_accepted_tokens > 0 and steps < plain_steps
     with pytest.raises(EngineError, match="draft"):
         Scheduler(engine, num_speculative_tokens=3)
+
+
+def test_a_draft_model_keeps_up_through_plain_steps(tiny_models):
+    """Adaptive K turns speculation off (K = 0) and on again: a draft model reads what each plain step
+    fed the target, so that when drafting resumes its cache holds every position. With a draft identical
+    to the target every greedy draft is then kept, however the plain and speculative steps alternate
+    (before the fix a row kept none for the rest of its request after 6 plain steps), and the output is
+    still the target's."""
+    target_dir, _ = tiny_models["llama"]
+    prompts = random_prompts(3, 97, seed=1)
+    params = SamplingParams(max_new_tokens=40)
+    expected = [c.tokens for c in engine_of(target_dir, target_dir, 3).generate(prompts, params).completions]
+    script = [0] * 6 + [3, 3, 0, 2, 0, 0, 0, 3, 1, 0, 3] * 4
+
+    class Scripted(Scheduler):  # the K of each step, as adaptive K might choose them
+        def _choose_k(self, n, alphas):
+            return script.pop(0) if script else 2
+
+    scheduler = Scripted(engine_of(target_dir, target_dir, 4), num_speculative_tokens=3, adaptive=True)
+    steps = []
+    scheduler.on_step = lambda k, accepted: steps.append((k, accepted))
+    done = {}
+    for i, prompt in enumerate(prompts):
+        scheduler.submit(Request(list(prompt), params, on_done=lambda r, i=i: done.__setitem__(i, r)))
+    scheduler.drain()
+    assert [done[i].tokens for i in range(3)] == expected
+    speculative = [(k, accepted) for k, accepted in steps if k > 0]
+    assert len(speculative) >= 6 and steps[6][0] == 3
+    for k, accepted in speculative:
+        assert accepted == [k] * len(accepted), (k, accepted)
