@@ -245,10 +245,12 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
     assert runs[0][0] != runs[0][-1]  # it trained
     from safetensors.torch import load_file
 
+    initial = load_file(draft_dir / "model.safetensors")
     plain, compiled = (load_file(tmp_path / f"saved{c}" / "model.safetensors") for c in (False, True))
-    assert plain.keys() == compiled.keys()
-    for name, tensor in plain.items():
-        torch.testing.assert_close(compiled[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    assert plain.keys() == compiled.keys() == initial.keys()
+    for name, tensor in plain.items():  # the same update, up to rounding (which AdamW amplifies where a gradient is ~0)
+        update = (tensor - initial[name]).norm()
+        assert update > 0 and (compiled[name] - tensor).norm() < 0.02 * update, name
 
 
 def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(tiny_models):
