@@ -17,6 +17,7 @@ from typing import Any, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from draftsmith.distill import checkpoint, losses
 from draftsmith.pipeline.config import DistillConfig
@@ -178,9 +179,7 @@ class DraftObjective:
         head = getattr(student, "module", student).get_output_embeddings()  # under a data-parallel wrapper too
         if self.cfg.loss_chunk_size == 0 or head.bias is not None:
             return self._whole_loss(student, target, batch, needs_target)
-        from torch.profiler import record_function  # names for distill/profile_train.py --profile
-
-        with record_function("draft forward"):
+        with record_function("draft forward"):  # names in distill/profile_train.py --profile
             hidden = predicted_hidden(student, batch)
         target_hidden = target_head = None
         if needs_target:
