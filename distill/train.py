@@ -108,13 +108,18 @@ def response_logits(models: Sequence, rows: list[dict], batch_size: int, max_seq
         yield batch, [predicted_logits(m, batch).float() for m in models]
 
 
+def predicted_hidden(model, batch: Batch) -> torch.Tensor:
+    """The model's final hidden states [N, H] (after its last norm, what its LM head reads) at the
+    batch's response positions. Called through the model itself, so that a data-parallel wrapper sees
+    its forward; its LM head runs on one position only."""
+    out = model(**batch.inputs(), output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1][batch.predict]
+
+
 def predicted_logits(model, batch: Batch) -> torch.Tensor:
-    """The model's logits [N, V] at the batch's response positions only. Rows are right-padded, so
-    every response position lies in the last `keep` positions: the LM head (V = 49,152 columns for
-    SmolLM2) runs on those instead of on every prompt and padding position."""
-    keep = batch.input_ids.shape[1] - int(batch.predict.int().argmax(dim=1).min())
-    logits = model(**batch.inputs(), logits_to_keep=keep).logits
-    return logits[batch.predict[:, -keep:]]  # [N, V]
+    """The model's logits [N, V] at the batch's response positions only: its LM head (V = 49,152 columns
+    for SmolLM2) runs on those instead of on every prompt and padding position."""
+    return getattr(model, "module", model).get_output_embeddings()(predicted_hidden(model, batch))
 
 
 @torch.no_grad()
@@ -155,14 +160,6 @@ def position_loss(cfg: DistillConfig, student_logits: torch.Tensor, batch: Batch
     else:
         logp, logq = losses.bucketed(student_logits, batch.topk_ids[rows], batch.topk_logprobs[rows], cfg.temperature)
     return losses.divergence(cfg.loss.value, logp, logq, cfg.jsd_beta)
-
-
-def predicted_hidden(model, batch: Batch) -> torch.Tensor:
-    """The model's final hidden states [N, H] (after its last norm, what its LM head reads) at the
-    batch's response positions. Called through the model itself, so that a data-parallel wrapper sees
-    its forward; its LM head runs on one position only."""
-    out = model(**batch.inputs(), output_hidden_states=True, logits_to_keep=1)
-    return out.hidden_states[-1][batch.predict]
 
 
 class DraftObjective:
@@ -214,13 +211,12 @@ class DraftObjective:
         if self._held_out_target[0] is not rows:
             self._held_out_target = (rows, {})
         kept = self._held_out_target[1]
-        head = target.get_output_embeddings().weight
         total_tvd, total_loss, count = 0.0, 0.0, 0
         for start in range(0, len(rows), self.cfg.batch_size):
             batch = collate(rows[start:start + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
             if start not in kept:
                 kept[start] = predicted_hidden(target, batch)
-            target_logits = torch.nn.functional.linear(kept[start], head).float()
+            target_logits = target.get_output_embeddings()(kept[start]).float()
             logits = predicted_logits(student, batch).float()
             total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
             online = None if batch.topk_ids is not None else target_logits

@@ -182,25 +182,21 @@ def test_an_interrupted_teacher_stage_keeps_its_shards_and_the_same_command_resu
 def test_a_target_too_large_for_the_device_trains_a_draft_from_the_logit_cache(tiny_chat_target, tmp_path, monkeypatch):
     # a target split across GPUs for the teacher stage does not fit the one device that distillation runs
     # on: a draft model trained from the teacher's logit cache does without it; what needs it is refused
-    from hydra import compose, initialize_config_module
-
-    from draftsmith.pipeline.config import register_schema, validate
+    from draftsmith.pipeline.config import composed
     from draftsmith.pipeline.graph import run_pipeline
     from draftsmith.pipeline.stage import StageError
     from draftsmith.serve.weights import WeightsError
 
-    register_schema()
     overrides = [a for a in args_for(tiny_chat_target, tmp_path / "runs", "distill.max_steps=4", "distill.eval_every=2",
                                      "device=cpu")[2:] if a != "stop_after=distill"]
-    config = lambda *extra: validate(compose(config_name="config", overrides=[*overrides, *extra]))
-    with initialize_config_module(config_module="draftsmith.conf", version_base="1.3"):
-        run_pipeline(config("stop_after=teacher"), tmp_path / "runs")
-        monkeypatch.setattr("draftsmith.serve.weights.free_bytes", lambda device: 1024)  # a device of 1 KiB from here on
-        distill = {o.name: o for o in run_pipeline(config("stop_after=distill"), tmp_path / "runs")}["distill"]
-        assert distill.record["metrics"]["train_tokens"] > 0 and (distill.path / "draft" / "model.safetensors").is_file()
-        assert distill.record["metrics"]["tvd_final"] is None  # held-out TVD needs the target
-        with pytest.raises((StageError, WeightsError), match="does not fit"):  # on-policy data: the target scores it
-            run_pipeline(config("stop_after=distill", "distill.on_policy_fraction=0.5"), tmp_path / "runs")
+    config = lambda *extra: composed(*overrides, *extra)
+    run_pipeline(config("stop_after=teacher"), tmp_path / "runs")
+    monkeypatch.setattr("draftsmith.serve.weights.free_bytes", lambda device: 1024)  # a device of 1 KiB from here on
+    distill = {o.name: o for o in run_pipeline(config("stop_after=distill"), tmp_path / "runs")}["distill"]
+    assert distill.record["metrics"]["train_tokens"] > 0 and (distill.path / "draft" / "model.safetensors").is_file()
+    assert distill.record["metrics"]["tvd_final"] is None  # held-out TVD needs the target
+    with pytest.raises((StageError, WeightsError), match="does not fit"):  # on-policy data: the target scores it
+        run_pipeline(config("stop_after=distill", "distill.on_policy_fraction=0.5"), tmp_path / "runs")
 
 
 def test_a_split_teacher_outside_torchrun_says_how_to_launch(tiny_chat_target, monkeypatch):
