@@ -33,6 +33,13 @@ def every_nth_layer(num_target_layers: int, num_layers: int) -> list[int]:
     return sorted({round(i * step) for i in range(num_layers)})
 
 
+def chosen_layers(num_target_layers: int, num_layers: int, choice: str) -> list[int]:
+    """num_layers of the target's layers: spread evenly (first and last included), the first n or the last n."""
+    spread = every_nth_layer(num_target_layers, num_layers)  # also checks num_layers
+    return {"spread": spread, "first": list(range(num_layers)),
+            "last": list(range(num_target_layers - num_layers, num_target_layers))}[choice]
+
+
 def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
@@ -102,7 +109,7 @@ def build_draft(cfg, target_dir: Path, out_dir: Path, seed: int) -> Path:
     init = cfg.init.value
     if init == "from_target":
         n = read_config(target_dir)["num_hidden_layers"]
-        layers = list(cfg.layers) or every_nth_layer(n, cfg.num_layers)
+        layers = list(cfg.layers) or chosen_layers(n, cfg.num_layers, cfg.layer_choice.value)
         return build_from_target(target_dir, out_dir, layers)
     if init == "scratch":
         return build_scratch(target_dir, out_dir, cfg.num_layers, seed)

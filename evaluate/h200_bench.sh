@@ -5,6 +5,7 @@
 #   bash evaluate/h200_bench.sh train        distillation tokens/s by trainer setting (distill/profile_train.py)
 #   bash evaluate/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
 #   bash evaluate/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
+#   bash evaluate/h200_bench.sh shapes       the draft model's depth and layer choice by measured speed (two sweeps)
 #   bash evaluate/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
 #   bash evaluate/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
 #   bash evaluate/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine, 3 rounds
@@ -15,6 +16,8 @@
 # EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
+# DRAFTS (HF dirs, space-separated) replaces decode's drafts; `best` there is the best job of the newest
+# `shapes` sweep and `spread4` its 4-layer spread draft.
 set -euo pipefail
 root=/root/draftsmith-gpu
 out=${OUT:-/tmp/out}
@@ -56,10 +59,37 @@ standalone)
   timeout "$limit" "${cli[@]}" run "${common[@]}" distill.max_steps=400 distill.eval_every=400 stop_after=quantize 2>&1 | tail -40 || true
   for s in distill quantize; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/standalone_${s}_stage.json" || true; done
   ;;
+shapes)
+  # every job: 300 steps (~6.7M tokens), no AWQ (a draft's int4 weights are dequantized at load, so its
+  # speed is its bf16 speed), evaluate at batch 1 on 32 held-out prompts; the gates do not stop a job
+  steps=${STEPS:-300}
+  sweep=("${common[@]}" stop_after=evaluate quantize.enabled=false distill.max_steps=$steps distill.eval_every=$steps
+         evaluate.batch_size=1 evaluate.num_prompts=32 evaluate.min_alpha=0)
+  end=$((SECONDS + limit))  # LIMIT bounds both sweeps together; a rerun resumes (finished jobs are cached)
+  timeout "$limit" "${cli[@]}" run -m "${sweep[@]}" draft.num_layers=1,2,3,4,6 2>&1 | tail -25 || true
+  if [ $((end - SECONDS)) -gt 30 ]; then
+    timeout $((end - SECONDS)) "${cli[@]}" run -m "${sweep[@]}" draft.num_layers=2,4 draft.layer_choice=first,last 2>&1 | tail -15 || true
+  fi
+  for f in "$root"/runs/hydra/multirun/*/*/result.json; do cp "$f" "$out/$(basename "$(dirname "$(dirname "$f")")")_$(basename "$(dirname "$f")").json"; done
+  ;;
 decode)
-  drafts=(--draft "$(bundle)/draft")
-  standalone=$(newest "$root/runs/quantize/*/draft" || true)  # only where `standalone` ran on this machine
-  if [ -n "$standalone" ]; then drafts+=(--draft "$standalone"); fi
+  drafts=()
+  if [ -n "${DRAFTS:-}" ]; then
+    for d in $DRAFTS; do
+      case $d in  # best: the best job of the `shapes` sweeps; spread4: their 4-layer spread draft
+        best|spread4) d=$(python3 -c "
+import json, pathlib; from draftsmith.pipeline.sweep import rank
+rs = [json.loads(p.read_text()) for p in pathlib.Path('$root/runs/hydra/multirun').glob('*/*/result.json')]
+rs = rank(rs) if '$d' == 'best' else [r for r in rs if 'draft.num_layers=4' in r['overrides'] and not any('layer_choice' in o for o in r['overrides'])]
+print(rs[0]['outputs']['distill'] + '/draft')");;
+      esac
+      drafts+=(--draft "$d")
+    done
+  else
+    drafts+=(--draft "$(bundle)/draft")
+    standalone=$(newest "$root/runs/quantize/*/draft" || true)  # only where `standalone` ran on this machine
+    if [ -n "$standalone" ]; then drafts+=(--draft "$standalone"); fi
+  fi
   "${cli[@]}" bench decode --device cuda --prompts 8 --new-tokens 256 --batch 16 --k 2 --k 3 --k 4 --k 5 --repeats 3 \
     "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
   ;;

@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
@@ -14,6 +15,7 @@ import hydra
 from draftsmith.pipeline.config import ConfigError, register_schema, validate
 from draftsmith.pipeline.graph import PIPELINE, STAGES, run_pipeline
 from draftsmith.pipeline.stage import STAGE_JSON, StageError, StageOutput, process_rank
+from draftsmith.pipeline.sweep import write_result
 from draftsmith.pipeline.target import load_reference
 from draftsmith.pipeline.tracking import JobRun, config_params, run_root, tracking_uri
 
@@ -23,12 +25,21 @@ log = logging.getLogger("draftsmith")  # Hydra sends it to the console and to th
 
 
 def _job_name(cfg: DictConfig) -> str:
+    hc = _hydra()
+    return f"{cfg.experiment}[{(','.join(hc.overrides.task) if hc else '') or 'defaults'}]"
+
+
+def _hydra():
     try:
-        hc = HydraConfig.get()
-        overrides = ",".join(hc.overrides.task) or "defaults"
-        return f"{cfg.experiment}[{overrides}]"
+        return HydraConfig.get()
     except ValueError:  # called outside Hydra (tests compose configs directly)
-        return f"{cfg.experiment}[defaults]"
+        return None
+
+
+def _sweep_job_dir() -> Path | None:
+    """This job's directory when it is one job of a sweep (-m), where it leaves its result for the table."""
+    hc = _hydra()
+    return Path(hc.runtime.output_dir) if hc and hc.mode == RunMode.MULTIRUN and process_rank()[0] == 0 else None
 
 
 def _summary(outputs: list[StageOutput], root) -> Table:
@@ -63,7 +74,10 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
         job = JobRun(tracking_uri(typed.tracking.uri, typed.paths.root), typed.experiment, _job_name(cfg),
                      config_params(cfg), root)
 
+    done: list[StageOutput] = []
+
     def on_stage(output: StageOutput) -> None:
+        done.append(output)
         log.info("stage %s: %s in %.1f s (%s)", output.name, "cached" if output.cached else "ran",
                  output.record.get("seconds", 0.0), output.path)
         if job:
@@ -75,16 +89,21 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
     # Ctrl-C and a scheduler's SIGTERM both keep the work; SIGINT too when the parent ignored it (a job
     # started in the background by a script inherits SIG_IGN, and Python then never raises KeyboardInterrupt)
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    sweep_dir = _sweep_job_dir()
     try:
         outputs = run_pipeline(typed, root, on_stage=on_stage)
     except BaseException as e:
         if job:
             job.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        if sweep_dir:
+            write_result(sweep_dir, HydraConfig.get().overrides.task, done, str(e) or type(e).__name__)
         if isinstance(e, KeyboardInterrupt):
             console.print(f"[yellow]{e or 'interrupted; run the same command to resume'}[/yellow]")
             raise SystemExit(130) from None
         if isinstance(e, StageError):
             console.print(f"[red]{e}[/red]")
+            if sweep_dir:
+                raise  # an Exception: Hydra marks this job failed and runs the sweep's other jobs
             raise SystemExit(1) from None
         raise
     finally:
@@ -92,6 +111,8 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
             signal.signal(sig, handler)
     if job:
         job.end("FINISHED")
+    if sweep_dir:
+        write_result(sweep_dir, HydraConfig.get().overrides.task, outputs)
     if process_rank()[0] == 0:
         console.print(_summary(outputs, root))
         _print_published({o.name: o for o in outputs})

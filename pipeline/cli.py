@@ -24,6 +24,7 @@ def run(ctx: typer.Context) -> None:
     pass through: --cfg job, --info, -sc install=bash (tab completion of config keys for `draftsmith run`).
     """
     from draftsmith.pipeline import app as hydra_app
+    from draftsmith.pipeline.sweep import print_summary
     from draftsmith.pipeline.tracking import close_parent_if_open
 
     sys.argv = ["draftsmith", *ctx.args]  # Hydra's completion script registers the program of argv[0]
@@ -36,6 +37,7 @@ def run(ctx: typer.Context) -> None:
         raise
     finally:
         close_parent_if_open(status)
+        print_summary(hydra_app.console)
 
 
 def main() -> None:

@@ -43,6 +43,12 @@ class DraftInit(str, enum.Enum):
     pretrained = "pretrained"
 
 
+class LayerChoice(str, enum.Enum):
+    spread = "spread"  # evenly over the target, its first and last layers included
+    first = "first"
+    last = "last"
+
+
 class DistillLoss(str, enum.Enum):
     forward_kl = "forward_kl"
     reverse_kl = "reverse_kl"
@@ -75,7 +81,8 @@ class DraftConfig:
     kind: DraftKind = MISSING
     init: DraftInit = MISSING  # standalone drafts
     layers: list[int] = field(default_factory=list)  # from_target: which target layers to copy
-    num_layers: int = MISSING  # from_target (when layers is empty, every n-th), scratch, and an EAGLE-3 head's layers
+    num_layers: int = MISSING  # from_target (when layers is empty, by layer_choice), scratch, and an EAGLE-3 head's layers
+    layer_choice: LayerChoice = LayerChoice.spread  # from_target with layers empty: which num_layers of the target's
     pretrained_path: Optional[str] = None
     lora_rank: int = MISSING  # pretrained only; 0 trains all weights
     vocab_size: int = MISSING  # proposals from this many of the teacher data's most frequent tokens; 0: all

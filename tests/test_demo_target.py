@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from draftsmith.distill.draft import build_from_target, every_nth_layer
+from draftsmith.distill.draft import build_from_target, chosen_layers, every_nth_layer
 from draftsmith.serve.engine import Engine, detokenizer_of, eos_ids_of
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
@@ -39,8 +39,11 @@ def test_demo_target_greedy_speculative_equals_plain(demo_engines):
         assert batch.stats.num_drafts > 0
 
 
-def test_every_nth_layer_spreads_over_the_target():
-    assert every_nth_layer(30, 4) == [0, 10, 19, 29]
+def test_layer_choices_pick_the_target_layers_they_name():
+    assert every_nth_layer(30, 4) == chosen_layers(30, 4, "spread") == [0, 10, 19, 29]
     assert every_nth_layer(30, 1) == [0]
-    with pytest.raises(ValueError, match="between 1 and the target's 30 layers"):
-        every_nth_layer(30, 31)
+    assert chosen_layers(30, 3, "first") == [0, 1, 2]
+    assert chosen_layers(30, 3, "last") == [27, 28, 29]
+    for choice in ("spread", "first", "last"):
+        with pytest.raises(ValueError, match="between 1 and the target's 30 layers"):
+            chosen_layers(30, 31, choice)

@@ -9,14 +9,15 @@ from draftsmith.distill.draft import DraftError, build_draft, build_from_target
 from draftsmith.distill.stage import with_lora
 from draftsmith.distill.tokenizer import TokenizerMismatch, check_same_tokenizer
 from draftsmith.distill.train import DraftObjective, Distiller, collate
-from draftsmith.pipeline.config import DistillConfig, DistillLoss, DraftConfig, DraftInit, TeacherConfig
+from draftsmith.pipeline.config import DistillConfig, DistillLoss, DraftConfig, DraftInit, LayerChoice, TeacherConfig
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_tiny_model
 
 
 def draft_config(init, **kw):
     return DraftConfig(init=DraftInit(init), layers=kw.get("layers", []), num_layers=kw.get("num_layers", 1),
-                       pretrained_path=kw.get("pretrained_path"), lora_rank=kw.get("lora_rank", 0))
+                       layer_choice=LayerChoice(kw.get("layer_choice", "spread")), pretrained_path=kw.get("pretrained_path"),
+                       lora_rank=kw.get("lora_rank", 0))
 
 
 def test_from_target_copies_the_chosen_layers(tiny_chat_target, tmp_path):
@@ -29,6 +30,9 @@ def test_from_target_copies_the_chosen_layers(tiny_chat_target, tmp_path):
     check_same_tokenizer(tiny_chat_target, draft_dir)
     with pytest.raises(DraftError, match=r"must name layers of the target, 0 to 2"):
         build_from_target(tiny_chat_target, tmp_path / "bad", [5])
+    # no layers named: draft.layer_choice picks num_layers of them
+    last = build_draft(draft_config("from_target", num_layers=2, layer_choice="last"), tiny_chat_target, tmp_path / "l", seed=0)
+    assert json.loads((last / "draft.json").read_text())["layers"] == [1, 2]
 
 
 def test_scratch_has_the_targets_vocabulary(tiny_chat_target, tmp_path):

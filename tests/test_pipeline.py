@@ -59,6 +59,12 @@ def test_multirun_is_one_parent_with_a_child_per_job(tiny_chat_target, tmp_path,
         assert len(list((root / stage).iterdir())) == 1
         assert {c.data.tags[f"stage.{stage}.cached"] for c in children} == {"true", "false"}
     assert len(list((root / "distill").iterdir())) == 2
+    # each job left its outcome in its job directory, and the command ended with the jobs' table
+    results = [json.loads(p.read_text()) for p in sorted((root / "hydra" / "multirun").glob("*/*/result.json"))]
+    assert [r["status"] for r in results] == ["ok", "ok"]
+    assert all(r["stages"]["distill"]["tvd_final"] > 0 for r in results)
+    table = done.stdout[done.stdout.index("draftsmith sweep: 2 jobs"):]
+    assert "distill.learning_rate=0.001" in table and "distill.learning_rate=0.002" in table and "held-out TVD" in table
 
 
 def test_single_run_then_cached_then_tracking_off(tiny_chat_target, tmp_path):
@@ -114,3 +120,26 @@ def test_demo_target_converts_to_a_safetensors_llama(demo_target_dir):
     assert (demo_target_dir / "model.safetensors").is_file() and (demo_target_dir / "chat_template.jinja").is_file()
     tokenizer_config = json.loads((demo_target_dir / "tokenizer_config.json").read_text())
     assert tokenizer_config["eos_token"] == "<|im_end|>"  # the GGUF names another; the model's eos id is 2
+
+
+def test_the_sweep_table_ranks_jobs_by_measured_speed_and_failed_jobs_last(tmp_path):
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from draftsmith.pipeline.sweep import read_results, summary, write_result
+
+    def job(num, overrides, error=None, **evaluate):
+        (tmp_path / str(num)).mkdir()
+        outputs = [SimpleNamespace(name="distill", metrics={"tvd_final": 0.5, "history": [1, 2]}, path=tmp_path),
+                   SimpleNamespace(name="evaluate", metrics=evaluate, path=tmp_path)][:1 + bool(evaluate)]
+        write_result(tmp_path / str(num), ["preset=gpu", *overrides], outputs, error)
+
+    job(0, ["draft.num_layers=2"], alpha=0.55, measured_speedup=1.10)
+    job(1, ["draft.num_layers=4"], error="evaluation gate failed: alpha")
+    job(2, ["draft.num_layers=6"], alpha=0.60, measured_speedup=1.25)
+    console = Console(width=200, record=True)
+    console.print(summary(read_results(tmp_path), "sweep"))
+    rows = [line for line in console.export_text().splitlines() if "draft.num_layers" in line]
+    assert [row.split()[1] for row in rows] == ["draft.num_layers=6", "draft.num_layers=2", "draft.num_layers=4"]
+    assert "failed" in rows[2] and "preset=gpu" not in "".join(rows)  # the overrides every job shares are not repeated
