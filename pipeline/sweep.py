@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 RESULT_JSON = "result.json"
@@ -59,8 +60,9 @@ def summary(results: list[Mapping[str, Any]], title: str) -> Table:
     for column in ("status", *(c[2] for c in shown)):
         table.add_column(column)
     for r in rank(results):
-        name = " ".join(o for o in r["overrides"] if o not in common) or "defaults"
-        status = "ok" if r["status"] == "ok" else f"[red]failed[/red]: {(r['error'] or '')[:60]}"
+        # overrides such as quantize.ignore=[lm_head] are text, not rich markup
+        name = escape(" ".join(o for o in r["overrides"] if o not in common) or "defaults")
+        status = "ok" if r["status"] == "ok" else f"[red]failed[/red]: {escape((r['error'] or '')[:60])}"
         cells = []
         for stage, metric, _ in shown:
             v = r["stages"].get(stage, {}).get(metric)

@@ -88,6 +88,26 @@ def ship_in_bf16(model_dir: Path) -> None:
                       metadata={"format": "pt"})
 
 
+def awq_mappings(num_layers: int, ignore: Sequence[str]) -> list:
+    """AWQ's smoothing pairs of a Llama-family decoder, layer by layer (llm-compressor's default pairs,
+    by name), without the balance layers that `ignore` keeps unquantized: llm-compressor averages the
+    quantized balance layers of a pair and divides by zero when a pair has none."""
+    from compressed_tensors.utils.match import match_name
+    from llmcompressor.modifiers.transform.awq import AWQMapping
+
+    quantized = lambda name: not any(match_name(name, pattern) for pattern in ignore)
+    mappings = []
+    for i in range(num_layers):
+        at = f"model.layers.{i}."
+        for smooth, balance in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                ("self_attn.v_proj", ("self_attn.o_proj",)),
+                                ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+                                ("mlp.up_proj", ("mlp.down_proj",))):
+            if kept := [at + b for b in balance if quantized(at + b)]:
+                mappings.append(AWQMapping(at + smooth, kept))
+    return mappings
+
+
 def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: list[list[int]], *, bits: int,
                  group_size: int | None, ignore: Sequence[str], calibration_dtype: str = "float32") -> dict:
     """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors), searching the scales with
@@ -110,7 +130,7 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
     model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=getattr(torch, calibration_dtype))
     dataset = Dataset.from_list([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration])
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group)
-    recipe = [AWQModifier(duo_scaling=True),
+    recipe = [AWQModifier(duo_scaling=True, mappings=awq_mappings(config["num_hidden_layers"], ignore)),
               QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
                                    ignore=list(ignore))]
     oneshot(model=model, processor=AutoTokenizer.from_pretrained(draft_dir), dataset=dataset, recipe=recipe,

@@ -137,9 +137,10 @@ def test_the_sweep_table_ranks_jobs_by_measured_speed_and_failed_jobs_last(tmp_p
 
     job(0, ["draft.num_layers=2"], alpha=0.55, measured_speedup=1.10)
     job(1, ["draft.num_layers=4"], error="evaluation gate failed: alpha")
-    job(2, ["draft.num_layers=6"], alpha=0.60, measured_speedup=1.25)
+    job(2, ["draft.num_layers=6", "quantize.ignore=[lm_head]"], alpha=0.60, measured_speedup=1.25)
     console = Console(width=200, record=True)
     console.print(summary(read_results(tmp_path), "sweep"))
     rows = [line for line in console.export_text().splitlines() if "draft.num_layers" in line]
     assert [row.split()[1] for row in rows] == ["draft.num_layers=6", "draft.num_layers=2", "draft.num_layers=4"]
+    assert "quantize.ignore=[lm_head]" in rows[0]  # an override is shown as written, not read as markup
     assert "failed" in rows[2] and "preset=gpu" not in "".join(rows)  # the overrides every job shares are not repeated

@@ -69,6 +69,18 @@ def test_transformers_and_the_runtime_load_w4a16_and_agree(w4a16, tiny_draft):
     assert 1e-3 < error.item() < 0.5, error.item()
 
 
+def test_layers_left_unquantized_keep_their_weights_and_the_rest_is_still_awq(tiny_draft, tiny_chat_target, tmp_path):
+    """quantize.ignore may name any linear layer, AWQ balance layers included (llm-compressor divided by
+    zero when a smoothing pair had no quantized layer left): those stay dense and untouched."""
+    out = tmp_path / "mixed"
+    quantize_awq(tiny_draft, tiny_chat_target, out, calibration(), bits=4, group_size=None, ignore=["lm_head", "re:.*down_proj$"])
+    copy_tokenizer_files(tiny_chat_target, out)
+    dense, mixed = load_model(tiny_draft, torch.float32), load_model(out, torch.float32)
+    for before, after in zip(dense.layers, mixed.layers):
+        assert torch.equal(after.feed_forward.w2.weight, before.feed_forward.w2.weight.bfloat16().float())  # shipped in bf16
+        assert not torch.equal(after.feed_forward.w13.weight, before.feed_forward.w13.weight.bfloat16().float())
+
+
 @settings(max_examples=50, deadline=None)
 @given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 5), cols=st.integers(1, 40), seed=st.integers(0, 10**6))
 def test_unpack_inverts_compressed_tensors_packing(bits, rows, cols, seed):
