@@ -122,6 +122,19 @@ def test_demo_target_converts_to_a_safetensors_llama(demo_target_dir):
     assert tokenizer_config["eos_token"] == "<|im_end|>"  # the GGUF names another; the model's eos id is 2
 
 
+def test_a_failed_job_does_not_stop_the_sweep(tiny_chat_target, tmp_path):
+    """The first job's target does not exist; the second job still runs, and the table shows both."""
+    root = tmp_path / "runs"
+    done = draftsmith_run("-m", "experiment=t", "target=hf", f"target.name_or_path={tmp_path / 'missing'},{tiny_chat_target}",
+                          f"paths.root={root}", "stop_after=target", "tracking.enabled=false", cwd=tmp_path)
+    assert done.returncode == 1  # the sweep as a whole failed
+    results = [json.loads(p.read_text()) for p in sorted((root / "hydra" / "multirun").glob("*/*/result.json"))]
+    assert [r["status"] for r in results] == ["failed", "ok"] and "missing" in results[0]["error"]
+    assert results[1]["stages"]["target"]["vocab_size"] == 49152
+    table = done.stdout[done.stdout.index("draftsmith sweep: 2 jobs"):]
+    assert table.index(str(tiny_chat_target)[-20:]) < table.index("│ failed")  # the job that ran comes first
+
+
 def test_the_sweep_table_ranks_jobs_by_measured_speed_and_failed_jobs_last(tmp_path):
     from types import SimpleNamespace
 
