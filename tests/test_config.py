@@ -14,7 +14,7 @@ def composed(*overrides: str):
 
 def test_defaults_validate_to_typed_config():
     cfg = validate(composed())
-    assert cfg.distill.loss is DistillLoss.tvd
+    assert cfg.distill.loss is DistillLoss.forward_kl
     assert cfg.target.name_or_path == "demo"
     assert cfg.evaluate.min_alpha == 0.1 and cfg.evaluate.max_tau_loss == 0.03  # the demo's own alpha gate
     assert cfg.distill.max_steps == 200 and cfg.distill.teacher.top_k_logits == 64  # preset=demo is the default

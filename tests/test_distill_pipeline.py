@@ -55,7 +55,7 @@ def test_distillation_lowers_held_out_tvd_and_a_sweep_shares_the_teacher(tiny_ch
     assert json.loads((draft / "config.json").read_text())["vocab_size"] == 49152
 
     # a sweep over the loss: both jobs reuse the data and teacher outputs built above
-    sweep = run(args_for(tiny_chat_target, root, *online, "distill.loss=forward_kl,hard_label", multirun=True), tmp_path)
+    sweep = run(args_for(tiny_chat_target, root, *online, "distill.loss=tvd,hard_label", multirun=True), tmp_path)
     assert len([p for p in (root / "teacher").iterdir() if not p.name.startswith(".")]) == 1
     assert len([p for p in (root / "distill").iterdir() if not p.name.startswith(".")]) == 3
     assert len(re.findall(r"│ cached +│", sweep.stdout)) == 6  # target, data, teacher in each of the two jobs

@@ -342,7 +342,7 @@ def test_mlflow_records_plain_params_source_tags_artifacts_under_the_run_root_an
     experiment = client.get_experiment_by_name("t")
     assert experiment.artifact_location.startswith(root.as_uri())
     job = next(r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("draftsmith.kind") == "job")
-    assert job.data.params["distill.loss"] == "tvd" and job.data.params["draft.kind"] == "standalone"
+    assert job.data.params["distill.loss"] == "forward_kl" and job.data.params["draft.kind"] == "standalone"
     assert len(job.data.tags["mlflow.source.git.commit"]) == 40 and job.data.tags["mlflow.user"]
     logged = {a.path for a in client.list_artifacts(job.info.run_id, "publish/bundle")}
     assert {"publish/bundle/README.md", "publish/bundle/eval.json"} <= logged
