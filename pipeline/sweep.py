@@ -18,6 +18,7 @@ RESULT_JSON = "result.json"
 SWEEP_DIR_ENV = "DRAFTSMITH_SWEEP_DIR"
 # (stage, metric, column): what tells jobs apart, in pipeline order
 COLUMNS = (("distill", "tvd_final", "held-out TVD"), ("distill", "tokens_per_s", "train tok/s"),
+           ("quantize", "tvd_rise_rel", "AWQ TVD rise"),
            ("evaluate", "alpha", "alpha (K=1)"), ("evaluate", "num_speculative_tokens", "K"), ("evaluate", "tau", "tau"),
            ("evaluate", "predicted_speedup", "predicted"), ("evaluate", "measured_speedup", "measured"))
 
