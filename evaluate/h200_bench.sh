@@ -78,9 +78,9 @@ decode)
     for d in $DRAFTS; do
       case $d in  # best: the best job of the `shapes` sweeps; spread4: their 4-layer spread draft
         best|spread4) d=$(python3 -c "
-import json, pathlib; from draftsmith.pipeline.sweep import rank
-rs = [json.loads(p.read_text()) for p in pathlib.Path('$root/runs/hydra/multirun').glob('*/*/result.json')]
-rs = rank(rs) if '$d' == 'best' else [r for r in rs if 'draft.num_layers=4' in r['overrides'] and not any('layer_choice' in o for o in r['overrides'])]
+from pathlib import Path; from draftsmith.pipeline.sweep import rank, read_results
+rs = [r for r in rank(read_results(Path('$root/runs/hydra/multirun'))) if r['status'] == 'ok']
+rs = rs if '$d' == 'best' else [r for r in rs if 'draft.num_layers=4' in r['overrides'] and not any('layer_choice' in o for o in r['overrides'])]
 print(rs[0]['outputs']['distill'] + '/draft')");;
       esac
       drafts+=(--draft "$d")
