@@ -142,16 +142,6 @@ def tau_of(metrics: dict[str, float], steps: int) -> dict[str, float]:
     return {"eval_alpha_1": kept[0], f"eval_tau_{steps}": 1.0 + sum(kept)}
 
 
-def divergence_fn(name: str, temperature: float, beta: float):
-    """loss_fn for UnrolledHead: the configured divergence between target and head over the draft vocabulary."""
-    def loss_fn(student: Tensor, target: Tensor) -> Tensor:
-        if name == "hard_label":
-            return losses.hard_label(student, target.argmax(-1))
-        logp, logq = losses.full(student, target, temperature)
-        return losses.divergence(name, logp, logq, beta)
-    return loss_fn
-
-
 class EagleObjective:
     """Training objective of an EAGLE-3 head (see the module's docstring); the target runs online."""
     online = True
@@ -160,7 +150,7 @@ class EagleObjective:
     def __init__(self, cfg, aux_layers: tuple[int, ...], vocab: list[int], layer_config: dict, verifier: dict):
         self.cfg, self.aux_layers, self.layer_config, self.verifier = cfg, aux_layers, layer_config, verifier
         self.vocab = torch.tensor(vocab)
-        self.loss_fn = divergence_fn(cfg.loss.value, cfg.temperature, cfg.jsd_beta)
+        self.loss_fn = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta)  # over the draft vocabulary
 
     @torch.no_grad()
     def target_outputs(self, target, batch) -> tuple[Tensor, Tensor]:

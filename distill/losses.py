@@ -68,6 +68,18 @@ def full(student_logits: Tensor, target_logits: Tensor, temperature: float) -> t
             F.log_softmax(student_logits.float() / temperature, dim=-1))
 
 
+def against_logits(name: str, temperature: float, beta: float, compiled: bool = False):
+    """loss_fn(student_logits, target_logits) -> [N]: the divergence `name` (or hard_label: cross-entropy on
+    the target's argmax) between the two models' logits, over the same columns. compiled: through
+    torch.compile, which fuses the float32 upcasts, both log-softmaxes, the divergence and, under autograd,
+    its gradient into a few passes over the [N, V] logits instead of one kernel per operation."""
+    def loss_fn(student_logits: Tensor, target_logits: Tensor) -> Tensor:
+        if name == "hard_label":
+            return hard_label(student_logits, target_logits.argmax(-1))
+        return divergence(name, *full(student_logits, target_logits, temperature), beta)
+    return torch.compile(loss_fn, dynamic=True) if compiled else loss_fn
+
+
 def hard_label(student_logits: Tensor, labels: Tensor) -> Tensor:
     """Cross-entropy on the teacher's sampled tokens, per position."""
     return F.cross_entropy(student_logits.float(), labels, reduction="none")
@@ -92,12 +104,11 @@ class _ChunkedMean(torch.autograd.Function):
             rows = slice(start, min(n, start + chunk))
             h = hidden[rows]
             logits = F.linear(h, weight)  # in the ambient autocast dtype, as the model's own LM head would be
-            with torch.enable_grad():
-                z = logits.detach().float().requires_grad_()
+            with torch.enable_grad():  # per_position works in float32; the gradient comes back in logits' dtype
+                z = logits.detach().requires_grad_()
                 loss = per_position(z, rows).sum()
                 (grad_z,) = torch.autograd.grad(loss, z)
             total += loss.detach()
-            grad_z = grad_z.to(logits.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_z @ weight.to(grad_z.dtype)).to(hidden.dtype)
             if grad_weight is not None:

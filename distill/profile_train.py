@@ -35,13 +35,15 @@ def synthetic_rows(n: int, vocab: int, seed: int) -> list[dict]:
              "response_ids": torch.randint(3, vocab, (lengths(60, 256),), generator=g).tolist()} for _ in range(n)]
 
 
-def one_run(cfg, target, draft_dir: Path, rows: list[dict], warmup: int, work: Path, cpu: bool) -> tuple[float, float]:
-    """(training tokens/s over the timed steps, peak GPU memory in GiB) of a fresh draft."""
+def one_run(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], warmup: int, work: Path, cpu: bool) -> tuple[float, float]:
+    """(training tokens/s over the timed steps, peak GPU memory in GiB) of a fresh draft and a freshly
+    loaded target (distill.compile compiles the target's layers in place)."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.distill.train import DraftObjective, Distiller
 
     seen: list[tuple[int, float]] = []
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32 if cpu else torch.bfloat16)
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
     distiller = Distiller(cfg, draft, target, DraftObjective(cfg, online=True), rows, [], work, seed=0, cpu=cpu,
                           log=lambda step, m: seen.append((step, m["tokens_per_s"])) if "tokens_per_s" in m else None)
@@ -52,20 +54,19 @@ def one_run(cfg, target, draft_dir: Path, rows: list[dict], warmup: int, work: P
     return statistics.harmonic_mean(timed), 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 
-def profile(cfg, target, draft_dir: Path, rows: list[dict], work: Path, cpu: bool) -> str:
+def profile(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], work: Path, cpu: bool) -> str:
     """The heaviest operations of a run of `cfg` by GPU time, the trainer's own phases (target forward,
     draft forward, chunked loss, backward) among them."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        one_run(cfg, target, draft_dir, rows, 0, work, cpu)
+        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu)
     return prof.key_averages().table(sort_by="cuda_time_total" if not cpu else "cpu_time_total", row_limit=25,
                                      max_name_column_width=60)
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
 
     from draftsmith.distill.draft import build_from_target, every_nth_layer
     from draftsmith.pipeline.config import TargetConfig, composed
@@ -86,7 +87,6 @@ def main() -> None:
 
     target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
     cpu = args.device == "cpu"
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32 if cpu else torch.bfloat16).to(args.device)
     base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=args.warmup + args.steps,
                    eval_every=10**9)
     rows = synthetic_rows(args.batch * (args.warmup + args.steps), read_config(target_dir)["vocab_size"], seed=0)
@@ -100,7 +100,7 @@ def main() -> None:
                 cfg = replace(base, **VARIANTS[name])
                 started = time.time()
                 try:
-                    rate, memory[name] = one_run(cfg, target, draft_dir, rows, args.warmup,
+                    rate, memory[name] = one_run(cfg, target_dir, draft_dir, rows, args.warmup,
                                                     Path(tmp) / f"work{round_}{name}", cpu)
                 except Exception as error:  # a variant that fails here is reported, the others still run
                     print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
@@ -108,7 +108,7 @@ def main() -> None:
                 rates[name].append(rate)
                 print(f"round {round_ + 1} {name}: {rate:,.0f} tokens/s ({time.time() - started:.0f} s)", flush=True)
         if args.profile:
-            print(profile(replace(base, **VARIANTS[names[-1]]), target, draft_dir, rows, Path(tmp) / "profiled", cpu))
+            print(profile(replace(base, **VARIANTS[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu))
     baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
     print(f"\nbatch {args.batch} rows, {args.steps} timed steps after {args.warmup}, {args.repeats} rounds; "
           f"{'CPU' if cpu else torch.cuda.get_device_name()}")

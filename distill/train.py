@@ -149,19 +149,6 @@ def sample_continuations(model, prompts: list[list[int]], lengths: list[int], eo
     return continuations
 
 
-def position_loss(cfg: DistillConfig, student_logits: torch.Tensor, batch: Batch,
-                  target_logits: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
-    """Per-position loss [n] of the configured kind at the batch's response positions `rows`, from the
-    cache or from online target logits (those rows' only)."""
-    if cfg.loss.value == "hard_label":
-        return losses.hard_label(student_logits, batch.labels[rows])
-    if target_logits is not None:
-        logp, logq = losses.full(student_logits, target_logits, cfg.temperature)
-    else:
-        logp, logq = losses.bucketed(student_logits, batch.topk_ids[rows], batch.topk_logprobs[rows], cfg.temperature)
-    return losses.divergence(cfg.loss.value, logp, logq, cfg.jsd_beta)
-
-
 class DraftObjective:
     """A standalone draft model against the target's distribution: online target logits, or the
     teacher's top-k logit cache when the rows carry one."""
@@ -169,6 +156,7 @@ class DraftObjective:
 
     def __init__(self, cfg: DistillConfig, online: bool):
         self.cfg, self.online = cfg, online
+        self.against_target = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta, compiled=cfg.compile)
         self._held_out_target: tuple[list | None, dict[int, torch.Tensor]] = (None, {})  # rows, batch start -> [N, H]
 
     def loss(self, student, target, batch: Batch) -> torch.Tensor:
@@ -188,10 +176,22 @@ class DraftObjective:
             if target_hidden is not None:
                 with torch.no_grad():
                     target_logits = torch.nn.functional.linear(target_hidden[rows], target_head)
-            return position_loss(self.cfg, logits, batch, target_logits, rows)
+            return self.position_loss(logits, batch, target_logits, rows)
 
         with record_function("chunked loss"):
             return losses.chunked_mean(hidden, head.weight, per_position, self.cfg.loss_chunk_size)
+
+    def position_loss(self, student_logits: torch.Tensor, batch: Batch, target_logits: torch.Tensor | None,
+                      rows: slice = slice(None)) -> torch.Tensor:
+        """Per-position loss [n] of the configured kind at the batch's response positions `rows`, from the
+        cache or from online target logits (those rows' only)."""
+        cfg = self.cfg
+        if cfg.loss.value == "hard_label":
+            return losses.hard_label(student_logits, batch.labels[rows])
+        if target_logits is not None:
+            return self.against_target(student_logits, target_logits)
+        logp, logq = losses.bucketed(student_logits, batch.topk_ids[rows], batch.topk_logprobs[rows], cfg.temperature)
+        return losses.divergence(cfg.loss.value, logp, logq, cfg.jsd_beta)
 
     def _whole_loss(self, student, target, batch: Batch, needs_target: bool) -> torch.Tensor:
         """The loss over [N, V] logits built whole (distill.loss_chunk_size=0, or an LM head with a bias)."""
@@ -200,7 +200,7 @@ class DraftObjective:
         if needs_target:
             with torch.no_grad():
                 target_logits = predicted_logits(target, batch)
-        return position_loss(self.cfg, logits, batch, target_logits).mean()
+        return self.position_loss(logits, batch, target_logits).mean()
 
     @torch.no_grad()
     def held_out(self, student, target, rows: list[dict], device) -> dict[str, float]:
@@ -220,7 +220,7 @@ class DraftObjective:
             logits = predicted_logits(student, batch).float()
             total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
             online = None if batch.topk_ids is not None else target_logits
-            total_loss += position_loss(self.cfg, logits, batch, online).sum().item()
+            total_loss += self.position_loss(logits, batch, online).sum().item()
             count += batch.num_targets
         return {"eval_tvd": total_tvd / count, "eval_loss": total_loss / count}
 
@@ -228,6 +228,22 @@ class DraftObjective:
         if hasattr(student, "merge_and_unload"):  # LoRA adapters merged into the weights
             student = student.merge_and_unload()
         student.save_pretrained(out_dir, safe_serialization=True)
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """distill.compile: torch.compile a transformers model's decoder layers in place, one by one (regional
+    compilation). Its layers run the same code, so they share one compiled graph per mode (training, no
+    grad) and compiling takes seconds where the whole model took minutes; dynamic shapes, since packed rows
+    change shape every step. Other models (an EAGLE-3 head unrolled for training) compile whole. In place
+    either way: the optimizer and checkpoints see the module's own parameters and names."""
+    import torch._dynamo
+
+    from transformers import PreTrainedModel
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # modes x models x dtypes
+    layers = model.get_decoder().layers if isinstance(model, PreTrainedModel) else [model]
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
@@ -269,8 +285,10 @@ class Distiller:
             student.get_input_embeddings().requires_grad_(False)
             student.get_output_embeddings().requires_grad_(False)
         self.trainable = [p for p in student.parameters() if p.requires_grad]
-        if cfg.compile:  # the same parameters: the optimizer and checkpoints see the module's own
-            student = torch.compile(student, dynamic=True)
+        if cfg.compile:
+            compile_layers(student)
+            if self.target is not None:
+                compile_layers(self.target)
         optimizer = torch.optim.AdamW(self.trainable, lr=cfg.learning_rate, weight_decay=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps))
         self.draft, self.optimizer = self.accelerator.prepare(student, optimizer)

@@ -5,6 +5,8 @@
 #   bash evaluate/h200_bench.sh train        distillation tokens/s by trainer setting (distill/profile_train.py)
 #   bash evaluate/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
 #   bash evaluate/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
+#   bash evaluate/h200_bench.sh pipeline [OVERRIDES]   the gpu preset's draft model as shipped, through evaluate
+#                                            (a sweep when an override lists values: draft.num_layers=4,2)
 #   bash evaluate/h200_bench.sh shapes       the draft model's depth and layer choice by measured speed (two sweeps)
 #   bash evaluate/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
 #   bash evaluate/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
@@ -17,7 +19,8 @@
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
 # DRAFTS (HF dirs, space-separated) replaces decode's drafts; `best` there is the best job of the newest
-# `shapes` sweep and `spread4` its 4-layer spread draft.
+# `shapes` sweep, `spread4` its 4-layer spread draft and `shipped` the W4A16 drafts of the newest sweep's
+# jobs (`pipeline`), best first.
 set -euo pipefail
 root=/root/draftsmith-gpu
 out=${OUT:-/tmp/out}
@@ -46,8 +49,9 @@ case "${1:?tests, train, eagle, standalone, decode, serve, compare, batch or att
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py 2>&1 | tail -15
   ;;
-train)
-  python3 -m draftsmith.distill.profile_train --cache-dir $root/cache
+train)  # further arguments go to profile_train (--variant, --batch, --profile)
+  shift
+  python3 -m draftsmith.distill.profile_train --cache-dir $root/cache "$@"
   ;;
 eagle)
   timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" stop_after=publish 2>&1 | tail -60 || true
@@ -58,6 +62,16 @@ eagle)
 standalone)
   timeout "$limit" "${cli[@]}" run "${common[@]}" distill.max_steps=400 distill.eval_every=400 stop_after=quantize 2>&1 | tail -40 || true
   for s in distill quantize; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/standalone_${s}_stage.json" || true; done
+  ;;
+pipeline)
+  shift
+  timeout "$limit" "${cli[@]}" run -m "${common[@]}" stop_after=evaluate "$@" 2>&1 | tail -30 || true
+  sweep=$(newest "$root/runs/hydra/multirun/*")
+  for job in "$sweep"/*/; do
+    n=$(basename "$job")
+    cp "$job/result.json" "$out/pipeline_$n.json" || true
+    cp "$(python3 -c "import json; print(json.load(open('$job/result.json'))['outputs']['evaluate'])")/eval.md" "$out/pipeline_${n}_eval.md" || true
+  done
   ;;
 shapes)
   # every job: 300 steps (~6.7M tokens), no AWQ (a draft's int4 weights are dequantized at load, so its
@@ -77,6 +91,11 @@ decode)
   if [ -n "${DRAFTS:-}" ]; then
     for d in $DRAFTS; do
       case $d in  # best: the best job of the `shapes` sweeps; spread4: their 4-layer spread draft
+        shipped) for q in $(python3 -c "
+from pathlib import Path; from draftsmith.pipeline.sweep import rank, read_results
+sweep = sorted(Path('$root/runs/hydra/multirun').iterdir())[-1]
+print(' '.join(r['outputs']['quantize'] + '/draft' for r in rank(read_results(sweep)) if 'quantize' in r['outputs']))"); do
+            drafts+=(--draft "$q"); done; continue;;
         best|spread4) d=$(python3 -c "
 from pathlib import Path; from draftsmith.pipeline.sweep import rank, read_results
 rs = [r for r in rank(read_results(Path('$root/runs/hydra/multirun'))) if r['status'] == 'ok']

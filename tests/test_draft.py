@@ -220,8 +220,9 @@ def test_packed_rows_train_exactly_as_padded_rows(tiny_models):
 
 
 def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
-    """distill.compile: the student under torch.compile (dynamic shapes: packed rows change shape every
-    step) takes the same steps as without it, and its checkpoint is the plain module's."""
+    """distill.compile: the student's and the target's decoder layers and the loss under torch.compile
+    (dynamic shapes: packed rows change shape every step) take the same steps as without it, and the
+    checkpoint is the plain module's."""
     from transformers import AutoModelForCausalLM
 
     target_dir, draft_dir = tiny_models["llama"]
@@ -241,6 +242,8 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
         distiller = Distiller(cfg, AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), target,
                               DraftObjective(cfg, online=True), rows, rows[:4], tmp_path / str(compiled), seed=0, cpu=True,
                               log=lambda step, m: seen.append(m["train_loss"]) if "lr" in m else None)
+        for model in (distiller.accelerator.unwrap_model(distiller.draft), target):
+            assert all((layer._compiled_call_impl is not None) == compiled for layer in model.model.layers)
         distiller.train()
         distiller.save_draft(tmp_path / f"saved{compiled}")
         runs.append(seen)
