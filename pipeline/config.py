@@ -144,6 +144,7 @@ class EvaluateConfig:
     seed: int = MISSING
     min_alpha: float = MISSING
     max_tau_loss: float = MISSING
+    speed_repeats: int = MISSING  # engine runs of plain and of speculative decoding; the speedup is of the medians
     min_speedup: float = MISSING  # the registry promotes only versions measured faster than this x plain
 
 
@@ -253,7 +254,7 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     except QuantizeError as e:
         raise ConfigError(str(e)) from None
     _check(q.group_size in (None, 32, 64, 128), "quantize.group_size", "null (auto), 32, 64 or 128", q.group_size)
-    for key in ("num_prompts", "batch_size", "max_new_tokens"):
+    for key in ("num_prompts", "batch_size", "max_new_tokens", "speed_repeats"):
         _check(getattr(e, key) >= 1, f"evaluate.{key}", "1 or more", getattr(e, key))
     _check(e.max_speculative_tokens >= 1, "evaluate.max_speculative_tokens", "1 or more", e.max_speculative_tokens)
     _check(e.temperature > 0, "evaluate.temperature", "a positive number (T = 0 is always measured too)", e.temperature)

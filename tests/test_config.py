@@ -46,6 +46,7 @@ def test_enum_values_are_refused_at_composition(override, message):
     ("quantize.group_size=100", r"quantize.group_size=100 is not allowed: null \(auto\), 32, 64 or 128"),
     ("data.eval_fraction=1.5", r"data.eval_fraction=1.5 is not allowed: a fraction in \(0, 1\)"),
     ("distill.max_steps=0", r"distill.max_steps=0 is not allowed: 1 or more"),
+    ("evaluate.speed_repeats=0", r"evaluate.speed_repeats=0 is not allowed: 1 or more"),
     ("serve.max_model_len=8", r"serve.max_model_len=8 is not allowed: 16 or more"),
     ("distill.on_policy_fraction=1.5", r"distill.on_policy_fraction=1.5 is not allowed: a fraction in \[0, 1\]"),
     ("distill.on_policy_fraction=0.5,distill.loss=hard_label", r"0 with distill.loss=hard_label"),

@@ -122,7 +122,8 @@ def evaluated(tiny_chat_target, tmp_path_factory):
             "tracking.enabled=false", "data.max_prompts=24", "data.eval_fraction=0.25", "distill.teacher.max_new_tokens=8",
             "distill.max_steps=4", "distill.eval_every=4", "draft.num_layers=1", "distill.batch_size=4",
             "quantize.num_calibration_samples=8", "evaluate.max_new_tokens=10", "evaluate.batch_size=3",
-            "evaluate.min_alpha=0.0", "evaluate.max_tau_loss=1.0", "evaluate.max_speculative_tokens=5")
+            "evaluate.min_alpha=0.0", "evaluate.max_tau_loss=1.0", "evaluate.max_speculative_tokens=5",
+            "target.dtype=float32", "evaluate.speed_repeats=3")  # float32: exact on a CPU (in bf16 a K+1-token and a 1-token forward round differently)
     done = run(*args, cwd=tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tmp, args, done
@@ -152,6 +153,10 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
     assert check["outputs_equal_plain"] and check["difference"] == 0.0, check
     assert [r["k"] for r in report["engine"]] == [0, report["num_speculative_tokens"]]
     assert report["speed"]["measured_speedup"]["w4a16"][str(report["num_speculative_tokens"])] > 0
+    runs = report["speed"]["runs_tokens_per_s"]  # evaluate.speed_repeats: 3 runs each, the medians reported
+    assert len(runs["plain"]) == len(runs["w4a16"]) == 3
+    assert report["speed"]["plain_tokens_per_s"] == sorted(runs["plain"])[1]
+    assert report["speed"]["tokens_per_s"] == sorted(runs["w4a16"])[1]
     # drafts of one shape are timed once (W4A16 runs dequantized); prompt lookup has steps of its own
     step_ms = report["speed"]["step_ms"]
     assert step_ms["w4a16"] == step_ms["bf16"] == step_ms["initial"] != step_ms["prompt_lookup"]
