@@ -29,6 +29,7 @@ log = logging.getLogger("draftsmith")
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
+    import torch
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 
@@ -43,7 +44,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     vocab = eagle.draft_vocabulary((r["response_ids"] for r in train_rows), vocab_size, cfg.draft.vocab_size)
     covered = eagle.coverage((r["response_ids"] for r in eval_rows), vocab)
     online = cfg.distill.loss.value != "hard_label" and "topk_ids" not in train_rows[0]  # else the logit cache
-    dtype = compute_dtype(cfg.target.dtype.value, device)
+    # training on a CPU runs without autocast: there the target computes in the student's float32
+    dtype = compute_dtype(cfg.target.dtype.value, device) if device.startswith("cuda") else torch.float32
     try:
         check_fits(target_dir, dtype, device)
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)

@@ -40,8 +40,18 @@ def pick_device(name: str = "auto") -> str:
 
 
 def compute_dtype(name: str, device: str) -> torch.dtype:
-    """The configured dtype on a GPU; float32 on CPU, where bf16 matmuls are slow and round coarsely."""
-    return DTYPES[name] if device.startswith("cuda") else torch.float32
+    """The configured dtype on a GPU. On a CPU: bfloat16 if configured and the CPU multiplies in bf16
+    natively (on the 2-core EPYC of the demo, bf16 matmuls ran 2.5x float32's and the evaluate stage took
+    153 s against 229 s); float32 otherwise (float16, or bf16 emulated, is slow on a CPU)."""
+    dtype = DTYPES[name]
+    if device.startswith("cuda") or (dtype == torch.bfloat16 and cpu_has_bf16()):
+        return dtype
+    return torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX)."""
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def load_draft(path: Path, dtype: torch.dtype, device: str | torch.device, vocab: Sequence[int] | None = None) -> Transformer | EagleHead:

@@ -59,6 +59,7 @@ class RowSampling:
     min_p: Tensor | None = None  # [B], None when no row cuts by min_p
     needs_sort: bool = field(default=False)  # any row with top-p or top-k
     all_greedy: bool = field(default=False)  # argmax suffices: no distributions to build
+    any_greedy: bool = field(default=True)  # some row's distribution is one-hot
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
@@ -70,6 +71,7 @@ class RowSampling:
             min_p=torch.tensor([p.min_p for p in params], device=device) if any(p.min_p > 0 for p in params) else None,
             needs_sort=any(p.top_p < 1 or p.top_k > 0 for p in params),
             all_greedy=all(p.greedy for p in params),
+            any_greedy=any(p.greedy for p in params),
         )
 
 
@@ -91,6 +93,8 @@ def probabilities(logits: Tensor, rows: RowSampling) -> Tensor:
         drop[..., 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
+    if not rows.any_greedy:  # no [B, T, V] one-hot to build and select from
+        return probs
     greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
     return torch.where(rows.greedy.view(-1, 1, 1), greedy, probs)
 

@@ -81,3 +81,14 @@ def test_grouped_attention_equals_sdpa(heads, kv_heads, tokens):
     mask = torch.arange(S).view(1, 1, 1, S) <= positions.view(B, 1, tokens, 1)
     expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
     torch.testing.assert_close(grouped_attention(q, keys, values, mask), expected, rtol=0, atol=1e-12)
+
+
+def test_the_compute_dtype_is_bf16_on_a_cpu_only_where_it_multiplies_in_bf16(monkeypatch):
+    from draftsmith.serve import engine
+
+    assert engine.compute_dtype("float16", "cuda") == torch.float16
+    assert engine.compute_dtype("float32", "cpu") == engine.compute_dtype("float16", "cpu") == torch.float32
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert engine.cpu_has_bf16() is native and engine.compute_dtype("bfloat16", "cpu") == expected
