@@ -67,7 +67,6 @@ def profile(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], work: Path
 
 
 def main() -> None:
-
     from draftsmith.distill.draft import build_from_target, every_nth_layer
     from draftsmith.pipeline.config import TargetConfig, composed
     from draftsmith.pipeline.target import resolve_target_dir
