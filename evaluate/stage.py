@@ -159,13 +159,13 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         k, why = cost.choose_k(predicted[shipped])
         # the engine at the chosen K: the speed measurement, and the check of the computed counters
         progress.update(task, description=f"engine: plain and {shipped} K={k}")
-        plain_engine, shipped_engine = plain, engine_of(drafts[shipped])
+        shipped_engine = engine_of(drafts[shipped])  # plain decoding: the references' engine
         if device == "cuda":  # a first, untimed pass captures every shape's CUDA graphs (prefills, steps)
-            measure(plain_engine, "plain", prompts, params[0.0], 0)
+            measure(plain, "plain", prompts, params[0.0], 0)
             measure(shipped_engine, shipped, prompts, params[0.0], k)
         # plain and speculative in turns, speed_repeats times each; the medians: one slow run (the machine
         # busy with something else) moves neither
-        runs = [(measure(plain_engine, "plain", prompts, params[0.0], 0), measure(shipped_engine, shipped, prompts, params[0.0], k))
+        runs = [(measure(plain, "plain", prompts, params[0.0], 0), measure(shipped_engine, shipped, prompts, params[0.0], k))
                 for _ in range(e.speed_repeats)]
         median_run = lambda i: sorted((r[i] for r in runs), key=lambda m: m.tokens_per_s)[(len(runs) - 1) // 2]
         plain_run, shipped_run = median_run(0), median_run(1)
