@@ -26,6 +26,11 @@ class Dtype(str, enum.Enum):
     float32 = "float32"
 
 
+class Observer(str, enum.Enum):
+    minmax = "minmax"  # each group's range is its weights' range
+    mse = "mse"        # each group's range is clipped where the rounding error (MSE) is least
+
+
 class Device(str, enum.Enum):
     auto = "auto"
     cpu = "cpu"
@@ -132,6 +137,7 @@ class QuantizeConfig:
     calibration_max_length: int = MISSING
     ignore: list[str] = field(default_factory=list)
     calibration_dtype: Dtype = Dtype.float32  # the draft's dtype while AWQ searches its scales
+    observer: Observer = Observer.minmax  # how each weight group's int4 range is set after AWQ's scaling
 
 
 @dataclass

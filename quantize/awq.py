@@ -109,9 +109,11 @@ def awq_mappings(num_layers: int, ignore: Sequence[str]) -> list:
 
 
 def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: list[list[int]], *, bits: int,
-                 group_size: int | None, ignore: Sequence[str], calibration_dtype: str = "float32") -> dict:
+                 group_size: int | None, ignore: Sequence[str], calibration_dtype: str = "float32",
+                 observer: str = "minmax") -> dict:
     """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors), searching the scales with
-    the draft in `calibration_dtype`; return what was done."""
+    the draft in `calibration_dtype`, each weight group's range then set by `observer` (llm-compressor's:
+    "minmax", or "mse", which clips the range where the rounding error is least); return what was done."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
@@ -129,7 +131,8 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
     _allow_cpu_calibration()
     model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=getattr(torch, calibration_dtype))
     dataset = Dataset.from_list([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration])
-    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group)
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group,
+                               observer=observer)
     recipe = [AWQModifier(duo_scaling=True, mappings=awq_mappings(config["num_hidden_layers"], ignore)),
               QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
                                    ignore=list(ignore))]
@@ -139,4 +142,4 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
     model.save_pretrained(out_dir, save_compressed=True)
     ship_in_bf16(out_dir)
     return {"bits": bits, "group_size": group, "ignore": list(ignore), "scheme": f"W{bits}A16 asymmetric",
-            "num_calibration_samples": len(calibration), "calibration_dtype": calibration_dtype}
+            "num_calibration_samples": len(calibration), "calibration_dtype": calibration_dtype, "observer": observer}

@@ -149,3 +149,30 @@ def test_scales_are_searched_in_the_calibration_dtype(w4a16, tiny_draft, tiny_ch
     scales = [name for name in ours if name.endswith("weight_scale")]
     assert scales and ours.keys() == theirs.keys()
     assert any(not torch.equal(ours[name], theirs[name]) for name in scales)
+
+
+def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, tiny_draft, tiny_chat_target, tmp_path):
+    # AWQ's scale search is the same either way (it rounds with min-max while searching), so both checkpoints
+    # hold the same smoothed weights W * s (s folded out of the norm before each layer); the mse observer then
+    # clips each group's range where its rounding error is least, which min-max (no clipping) never beats
+    from draftsmith.serve.compressed import dequantize
+    from draftsmith.serve.weights import read_config, read_safetensors
+
+    out, _ = w4a16
+    mse = quantize_awq(tiny_draft, tiny_chat_target, tmp_path / "mse", calibration(), bits=4, group_size=None,
+                       ignore=["lm_head"], observer="mse")
+    assert mse["observer"] == "mse"
+    load = lambda path: dequantize(read_safetensors(path), read_config(path)["quantization_config"], torch.float32)
+    dense, minmax, clipped = read_safetensors(tiny_draft), load(out), load(tmp_path / "mse")
+    errors = {"minmax": 0.0, "mse": 0.0}
+    for i in range(2):
+        for norm, linears in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                              ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))):
+            at = f"model.layers.{i}."
+            torch.testing.assert_close(minmax[at + norm + ".weight"], clipped[at + norm + ".weight"])
+            s = dense[at + norm + ".weight"] / minmax[at + norm + ".weight"]
+            for linear in linears:
+                smoothed = dense[at + linear + ".weight"] * s
+                for name, model in (("minmax", minmax), ("mse", clipped)):
+                    errors[name] += (model[at + linear + ".weight"] - smoothed).pow(2).sum().item()
+    assert errors["mse"] < errors["minmax"], errors
