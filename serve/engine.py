@@ -189,10 +189,11 @@ class Engine:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._host_buffers: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event]] = {}
         self._launches = 0
+        self.caches = []  # each model's cache of this engine's: another engine over the same models makes its own
         for model in (target, draft):
             if model is not None:
                 model.requires_grad_(False)  # any path, not only inference-mode ones, builds no autograd graph
-                model.setup_cache(max_batch_size, max_seq_len)
+                self.caches.append((model, model.setup_cache(max_batch_size, max_seq_len)))
         self.hidden_layers = draft.aux_layers if self.eagle else ()  # what the target hands an EAGLE-3 head
         self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks, hidden_layers=self.hidden_layers)
         self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if isinstance(draft, Transformer) else None
@@ -205,6 +206,12 @@ class Engine:
         # at once rather than at a garbage collection, which must not come during another engine's capture
         self.step_graphs = (GraphedSteps(target, self.hidden_layers, partial(make_proposer, target, draft, None, True),
                                          self.draft_hidden_size) if self.target_forward.enabled else None)
+
+    def activate(self) -> None:
+        """Put this engine's caches back in its models (another engine over them may have set up its own
+        since): what its CUDA graphs were captured on, at the sizes it was made for."""
+        for model, state in self.caches:
+            model.use_cache(state)
 
     @property
     def draft_hidden_size(self) -> int | None:
@@ -254,6 +261,7 @@ class Engine:
                 cache_rows: Tensor | None = None) -> tuple[DecodeState, Tensor]:
         """Both models read the prompts into their caches (rows 0..B-1, or `cache_rows`); the state holds
         each row's first token, drawn from the target's last logits [B, V] (returned too)."""
+        self.activate()
         B, longest = len(prompts), max(len(p) for p in prompts)
         padded = torch.zeros(B, longest, dtype=torch.long)
         for i, prompt in enumerate(prompts):
@@ -319,6 +327,7 @@ class Engine:
              proposer: Proposer | None, histories: Sequence[Sequence[int]] = ()) -> StepOutput:
         """One decoding step (K = 0: plain); the `active` rows of `state` advance in place. The output's
         tensors hold until the next step."""
+        self.activate()
         if self.step_graphs is not None and rows.all_greedy and (k == 0 or proposer is self.draft_proposer):
             return self.step_graphs(state, active, k)
         return decode_step(self.target_forward, proposer, state, active, k, rows, generator, self.verify, histories)

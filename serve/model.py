@@ -247,6 +247,17 @@ class Placement:
     read: Tensor | None  # the cache rows attended over (None: 0..B-1)
 
 
+@dataclass
+class CacheState:
+    """What setup_cache allocates: a KV cache per attention layer and the rotary tables for its slots."""
+    caches: list[KVCache]
+    rope_cos: Tensor
+    rope_sin: Tensor
+    slot_ids: Tensor
+    max_batch_size: int
+    max_seq_len: int
+
+
 class CachedModel(nn.Module):
     """A stack of attention layers over a static KV cache indexed by position: the target and draft
     decoders (Transformer) and the EAGLE-3 head (serve/eagle.py)."""
@@ -257,23 +268,35 @@ class CachedModel(nn.Module):
     def attention_layers(self) -> list[Attention]:
         raise NotImplementedError
 
-    def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocate the static KV cache. One spare slot takes the writes of padding positions."""
+    def setup_cache(self, max_batch_size: int, max_seq_len: int) -> "CacheState":
+        """Allocate the static KV cache and put it in use. One spare slot takes the writes of padding positions."""
         if self.args.sliding_window is not None and max_seq_len > self.args.sliding_window:
             raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the model's sliding window "
                                         f"{self.args.sliding_window}, which the runtime does not implement")
         weight = next(self.parameters())
         slots = max_seq_len + 1
-        for attention in self.attention_layers():
-            attention.cache = KVCache(max_batch_size, self.args.num_kv_heads, slots, self.args.head_dim,
-                                      weight.dtype, weight.device)
+        caches = [KVCache(max_batch_size, self.args.num_kv_heads, slots, self.args.head_dim, weight.dtype, weight.device)
+                  for _ in self.attention_layers()]
         inv_freq = rope_inv_freq(self.args).to(weight.device)
         freqs = torch.outer(torch.arange(slots, device=weight.device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
-        self.register_buffer("rope_cos", emb.cos().to(weight.dtype), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().to(weight.dtype), persistent=False)
-        self.register_buffer("slot_ids", torch.arange(slots, device=weight.device), persistent=False)
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        state = CacheState(caches, emb.cos().to(weight.dtype), emb.sin().to(weight.dtype),
+                           torch.arange(slots, device=weight.device), max_batch_size, max_seq_len)
+        self.use_cache(state)
+        return state
+
+    def use_cache(self, state: "CacheState") -> None:
+        """Put `state` (from this model's setup_cache) in use, if it is not already: engines sharing a model
+        each keep their own cache, which their CUDA graphs were captured on, and take it back before they run."""
+        if getattr(self, "cache_state", None) is state:
+            return
+        for attention, cache in zip(self.attention_layers(), state.caches, strict=True):
+            attention.cache = cache
+        self.register_buffer("rope_cos", state.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", state.rope_sin, persistent=False)
+        self.register_buffer("slot_ids", state.slot_ids, persistent=False)
+        self.max_batch_size, self.max_seq_len = state.max_batch_size, state.max_seq_len
+        self.cache_state = state
 
     def place(self, positions: Tensor, cache_rows: Tensor | None = None) -> Placement:
         # positions [B, T]; positions past max_seq_len are padding. cache_rows [B]: the KV cache rows of

@@ -97,3 +97,18 @@ def test_a_dropped_engine_frees_its_graphs_at_once_and_a_later_capture_succeeds(
         gc.enable()
     second = engine(tiny_models, torch.float32, 4, True, kind=kind, head_dir=head_dir)
     assert second.time_step(4, 3) > 0 and (4, 3) in second.step_graphs.graphs
+
+
+def test_graphed_engines_over_the_same_models_run_in_turns(tiny_models, kind, head_dir):
+    # each engine's graphs were captured on its own caches: it takes them back before it runs
+    prompts, params = random_prompts(8, 97, seed=5), SamplingParams(max_new_tokens=24)
+    target_dir, draft_dir = tiny_models["smollm2"]
+    target = load_model(target_dir, torch.float64, "cuda")
+    draft = load_head(head_dir, torch.float64, "cuda") if kind == "eagle3" else load_model(draft_dir, torch.float64, "cuda")
+    expected = outputs(engine(tiny_models, torch.float64, 4, False), prompts, 0, 4, params)
+    plain = Engine(target, None, max_batch_size=4, max_seq_len=96, compile_blocks=False)
+    assert outputs(plain, prompts, 0, 4, params) == expected  # plain's graphs captured before the next engine
+    speculative = Engine(target, draft, max_batch_size=4, max_seq_len=80, compile_blocks=False)
+    for _ in range(2):
+        assert outputs(speculative, prompts, 3, 4, params) == expected
+        assert outputs(plain, prompts, 0, 4, params) == expected
