@@ -144,8 +144,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
                 step_ms[name] = step_ms[same]
                 progress.advance(task)
                 continue
-            # a fresh engine per proposer: engines share the target, and each one's setup replaces its KV
-            # cache (and CUDA graphs captured on it), so an engine is never reused after another
+            # an engine per proposer, dropped after its timings: each holds its own KV caches and graphs
             engine = engine_of(draft)
             proposer = PromptLookup(target.args.vocab_size) if draft is None else None
             step_ms[name] = {k: engine.time_step(e.batch_size, k, proposer=proposer) for k in range(1, k_max + 1)}
