@@ -19,7 +19,7 @@ from torch import Tensor
 
 from draftsmith.serve.eagle import EagleHead
 from draftsmith.serve.model import Transformer
-from draftsmith.serve.sampling import Random, RowSampling, probabilities, sample
+from draftsmith.serve.sampling import Random, RowSampling, greedy, probabilities, sample
 from draftsmith.serve.speculative import DecodeState, Forward, StepOutput
 
 
@@ -60,7 +60,7 @@ def draw(logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSamplin
     """One proposal per row from logits [B, 1, V'] over `vocab`: the tokens [B, 1] as target ids, and
     the distributions [B, 1, V] they were drawn from (None if greedy)."""
     if rows.all_greedy:
-        best = logits.argmax(-1)
+        best = greedy(logits)
         return (best if vocab is None else vocab[best]), None
     q = probabilities(full_vocab_logits(logits, vocab, vocab_size), rows)  # [B, 1, V]
     return sample(q, generator), q

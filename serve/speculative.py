@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.serve.rejection import Verifier, rejection_sample
-from draftsmith.serve.sampling import Random, RowSampling, probabilities, sample
+from draftsmith.serve.sampling import Random, RowSampling, greedy, probabilities, sample
 
 if TYPE_CHECKING:
     from draftsmith.serve.proposers import Proposer
@@ -92,7 +92,7 @@ def speculative_step(target: TargetForward, proposer: "Proposer", state: DecodeS
     positions = state.lengths.unsqueeze(1) + torch.arange(k + 1, device=fed.device)  # [B, K+1]
     target_logits, hidden = target(fed, positions)  # [B, K+1, V]: all K+1 positions in one forward
     if draft_probs is None:  # greedy: keep drafts while they equal the target's argmax, which also
-        target_tokens = target_logits.argmax(-1)  # gives the correction or bonus token  [B, K+1]
+        target_tokens = greedy(target_logits)  # gives the correction or bonus token  [B, K+1]
         num_accepted = (draft_tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum(dim=1)
         return StepOutput(num_accepted, target_tokens, target_logits, hidden)
     num_accepted, tokens = verify(draft_tokens, draft_probs, probabilities(target_logits, rows), generator)
@@ -102,7 +102,7 @@ def speculative_step(target: TargetForward, proposer: "Proposer", state: DecodeS
 def plain_step(target: TargetForward, state: DecodeState, rows: RowSampling, generator: Random) -> StepOutput:
     target_logits, hidden = target(state.pending.unsqueeze(1), state.lengths.unsqueeze(1))  # [B, 1, V]
     if rows.all_greedy:  # the one-hot distribution's sample is the argmax: skip building it
-        tokens = target_logits.argmax(-1)  # [B, 1]
+        tokens = greedy(target_logits)  # [B, 1]
     else:
         tokens = sample(probabilities(target_logits, rows), generator)
     return StepOutput(torch.zeros_like(state.lengths), tokens, target_logits, hidden)

@@ -165,3 +165,13 @@ def test_top_k_keeps_the_k_most_likely():
 def test_bad_sampling_parameters_are_refused(bad):
     with pytest.raises(SamplingError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_greedy_is_argmax_with_the_first_of_equal_maxima():
+    # on a CPU greedy tokens come from max(), which must break ties as argmax does (few distinct values: many ties)
+    from draftsmith.serve.sampling import greedy
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randint(0, 3, (8, 3, 500)).to(dtype)
+        assert torch.equal(greedy(logits), logits.argmax(-1))
