@@ -88,7 +88,8 @@ class DraftModel:
         return torch.cat(tokens, dim=1), (torch.cat(probs, dim=1) if probs else None)
 
     def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> None:
-        self.model(tokens, positions, cache_rows=cache_rows)
+        # the prompts into the draft's cache; its logits are not wanted: the LM head runs at one position a row
+        self.model(tokens, positions, cache_rows=cache_rows, logits_at=(lengths - 1).unsqueeze(1))
 
     def follow(self, state: DecodeState, out: StepOutput) -> None:
         """After a plain step (one token out, nothing drafted), read what the next speculative step's
