@@ -137,7 +137,7 @@ class QuantizeConfig:
     calibration_max_length: int = MISSING
     ignore: list[str] = field(default_factory=list)
     calibration_dtype: Dtype = Dtype.float32  # the draft's dtype while AWQ searches its scales
-    observer: Observer = Observer.minmax  # how each weight group's int4 range is set after AWQ's scaling
+    observer: Observer = Observer.mse  # how each weight group's int4 range is set after AWQ's scaling
 
 
 @dataclass

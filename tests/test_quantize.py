@@ -158,12 +158,12 @@ def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, tiny_draft
     from draftsmith.serve.compressed import dequantize
     from draftsmith.serve.weights import read_config, read_safetensors
 
-    out, _ = w4a16
-    mse = quantize_awq(tiny_draft, tiny_chat_target, tmp_path / "mse", calibration(), bits=4, group_size=None,
-                       ignore=["lm_head"], observer="mse")
-    assert mse["observer"] == "mse"
+    out, done = w4a16
+    assert done["observer"] == "mse"  # the default
+    assert quantize_awq(tiny_draft, tiny_chat_target, tmp_path / "minmax", calibration(), bits=4, group_size=None,
+                        ignore=["lm_head"], observer="minmax")["observer"] == "minmax"
     load = lambda path: dequantize(read_safetensors(path), read_config(path)["quantization_config"], torch.float32)
-    dense, minmax, clipped = read_safetensors(tiny_draft), load(out), load(tmp_path / "mse")
+    dense, minmax, clipped = read_safetensors(tiny_draft), load(tmp_path / "minmax"), load(out)
     errors = {"minmax": 0.0, "mse": 0.0}
     for i in range(2):
         for norm, linears in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
