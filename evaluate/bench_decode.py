@@ -158,7 +158,7 @@ def run_bench(target_dir: Path, drafts: Sequence[Path], prompts: list[list[int]]
     models = {name: load_draft(d, DTYPES[dtype], device) for name, d in zip(draft_names(drafts), drafts)}
     eos = eos_ids_of(target_dir)
     graphs = device.startswith("cuda")
-    # engines share the target: each one's setup replaces its KV cache, so one engine at a time
+    # engines share the target and each holds its own KV caches and graphs: one alive at a time
     if graphs and with_eager:  # what CUDA graphs alone save, then what compiling the blocks adds
         for method, graph in (("plain, eager", False), ("plain, CUDA graphs", True)):
             engine = Engine(target, max_seq_len=max_seq_len, cuda_graphs=graph, compile_blocks=False, eos_token_ids=eos)
