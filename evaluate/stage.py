@@ -144,11 +144,14 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
                 step_ms[name] = step_ms[same]
                 progress.advance(task)
                 continue
-            # an engine per proposer, dropped after its timings: each holds its own KV caches and graphs
+            # an engine per proposer, each with its own KV caches and graphs; dropped after its timings but
+            # the shipped draft's (the first proposer, so always timed here), which measures its speed below
             engine = engine_of(draft)
             proposer = PromptLookup(target.args.vocab_size) if draft is None else None
             step_ms[name] = {k: engine.time_step(e.batch_size, k, proposer=proposer) for k in range(1, k_max + 1)}
             progress.advance(task)
+            if name == shipped:
+                shipped_engine = engine
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -158,7 +161,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         k, why = cost.choose_k(predicted[shipped])
         # the engine at the chosen K: the speed measurement, and the check of the computed counters
         progress.update(task, description=f"engine: plain and {shipped} K={k}")
-        shipped_engine = engine_of(drafts[shipped])  # plain decoding: the references' engine
+        # plain decoding on the references' engine, the draft on its step-cost engine
         if device == "cuda":  # a first, untimed pass captures every shape's CUDA graphs (prefills, steps)
             measure(plain, "plain", prompts, params[0.0], 0)
             measure(shipped_engine, shipped, prompts, params[0.0], k)

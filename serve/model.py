@@ -277,8 +277,15 @@ class CachedModel(nn.Module):
     """A stack of attention layers over a static KV cache indexed by position: the target and draft
     decoders (Transformer) and the EAGLE-3 head (serve/eagle.py)."""
     args: ModelArgs
-    max_batch_size: int = 0
-    max_seq_len: int = 0
+    cache_state: CacheState  # the cache in use (setup_cache, use_cache)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.cache_state.max_batch_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache_state.max_seq_len
 
     def attention_layers(self) -> list[Attention]:
         raise NotImplementedError
@@ -310,7 +317,6 @@ class CachedModel(nn.Module):
         self.register_buffer("rope_cos", state.rope_cos, persistent=False)
         self.register_buffer("rope_sin", state.rope_sin, persistent=False)
         self.register_buffer("slot_ids", state.slot_ids, persistent=False)
-        self.max_batch_size, self.max_seq_len = state.max_batch_size, state.max_seq_len
         self.cache_state = state
 
     def place(self, positions: Tensor, cache_rows: Tensor | None = None) -> Placement:
