@@ -15,10 +15,12 @@ import torch
 from draftsmith.serve.speculative import Forward
 
 
-def time_forward(forward: Forward, batch_size: int, num_tokens: int, device: torch.device, repeats: int = 5) -> float:
-    """Median milliseconds of one forward over `num_tokens` tokens per row (after a warm-up call)."""
+def time_forward(forward: Forward, batch_size: int, num_tokens: int, device: torch.device, repeats: int = 5,
+                 start: int = 16) -> float:
+    """Median milliseconds of one forward over `num_tokens` tokens per row at positions start.. (after a
+    warm-up call)."""
     tokens = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)
-    positions = (torch.arange(num_tokens, device=device) + 16).expand(batch_size, num_tokens)  # [B, T]
+    positions = (torch.arange(num_tokens, device=device) + start).expand(batch_size, num_tokens)  # [B, T]
     times = []
     with torch.inference_mode():
         for i in range(repeats + 1):

@@ -1,8 +1,8 @@
 """What the cache's size costs the target's graphed, compiled forward: milliseconds per forward over 1,
 4 and 8 tokens per row (a plain step, a K=3 and a K=7 verification) at batch 1 and 16, with caches of
-320 slots (bench decode's 256 new tokens) and 2,056 (a server's 2,048-token context), for each way of
-attending: torch's fused kernel, the runtime's grouped_attention, and the runtime's choice between them
-(serve.model.grouped_attention_pays). Needs a GPU.
+320 slots (bench decode's 256 new tokens) and 2,056 (a server's 2,048-token context), all filled, for each way of
+attending: torch's fused kernel, the runtime's grouped_attention, the choice between those two
+(serve.model.grouped_attention_pays), and the runtime's triton kernel (serve/decode_attention.py). Needs a GPU.
 
     python3 -m draftsmith.evaluate.profile_attention [--cache-dir DIR]
 """
@@ -19,8 +19,9 @@ from draftsmith.serve import model
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.weights import load_model
 
-CHOICES = {"fused": lambda batch, tokens, slots: False, "grouped": lambda batch, tokens, slots: True,
-           "runtime": model.grouped_attention_pays}
+# name: (the triton kernel?, grouped_attention or torch's fused kernel when not)
+CHOICES = {"fused": (False, lambda batch, tokens, slots: False), "grouped": (False, lambda batch, tokens, slots: True),
+           "either": (False, model.grouped_attention_pays), "kernel": (True, model.grouped_attention_pays)}
 
 
 def main() -> None:
@@ -30,15 +31,16 @@ def main() -> None:
     target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
     target = load_model(target_dir, torch.bfloat16, "cuda")
     rows = []
-    for name, choice in CHOICES.items():
-        model.grouped_attention_pays = choice
+    for name, (kernel, choice) in CHOICES.items():
+        model.USE_DECODE_ATTENTION, model.grouped_attention_pays = kernel, choice
         torch._dynamo.reset()  # the compiled blocks read the choice when they compile
         for slots in (320, 2056):
             engine = Engine(target, max_batch_size=16, max_seq_len=slots)
-            rows += [(name, slots, b, t, time_forward(engine.target_forward, b, t, engine.device, repeats=30))
+            # queries at the cache's end: the triton kernel reads every slot, as for a row of the cache's length
+            rows += [(name, slots, b, t, time_forward(engine.target_forward, b, t, engine.device, repeats=30, start=slots - t))
                      for b in (1, 16) for t in (1, 4, 8)]
             del engine
-    model.grouped_attention_pays = CHOICES["runtime"]
+    model.USE_DECODE_ATTENTION, model.grouped_attention_pays = CHOICES["kernel"]
     print(f"\n{'attention':<10} {'slots':>6} {'batch':>6} {'tokens':>7} {'ms':>8}")
     for name, slots, b, t, ms in rows:
         print(f"{name:<10} {slots:>6} {b:>6} {t:>7} {ms:>8.3f}")

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.serve import decode_attention
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
@@ -127,13 +129,15 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor, read: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        # rows, slots: [B, T]; k, v: [B, T, H_kv, D]; read [B]: the rows to attend over (None: 0..B-1)
+    def write(self, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        # rows, slots: [B, T]; k, v: [B, T, H_kv, D]
         self.k[rows, :, slots] = k
         self.v[rows, :, slots] = v
+
+    def read(self, batch: int, read: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values of the rows attended over: `read` [B] (None: 0..batch-1)."""
         if read is None:
-            B = rows.shape[0]
-            return self.k[:B], self.v[:B]
+            return self.k[:batch], self.v[:batch]
         return self.k[read], self.v[read]
 
 
@@ -174,7 +178,12 @@ class Attention(nn.Module):
                 read: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x, cos, sin)
         assert self.cache is not None, "call setup_cache first"
-        keys, values = self.cache.update(rows, slots, k, v, read)  # [B, H_kv, S, D]
+        self.cache.write(rows, slots, k, v)
+        B, T = q.shape[:2]
+        if USE_DECODE_ATTENTION and decode_attention.runs(q, self.args.num_kv_heads):  # decode steps on a GPU
+            y = decode_attention.op(q, self.cache.k, self.cache.v, slots, self.cache.k.shape[2] - 1, read)  # [B, T, H, D]
+            return self.wo(y.reshape(B, T, -1))
+        keys, values = self.cache.read(B, read)  # [B, H_kv, S, D]
         return self.attend(q, keys, values, mask)
 
 
@@ -187,6 +196,8 @@ class Attention(nn.Module):
 # the fused kernel was never slower. So grouped_attention runs for 2+ query tokens where batch x tokens x
 # cache slots is at most this (batch 1, 4 tokens, 2,056 slots: 2.17 against 2.93 ms fused).
 GROUPED_ATTENTION_MAX_WORK = 12288
+# On a GPU with triton, forwards of a few tokens a row attend with serve/decode_attention.py instead
+USE_DECODE_ATTENTION = True
 
 
 def grouped_attention_pays(batch: int, tokens: int, slots: int) -> bool:

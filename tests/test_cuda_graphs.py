@@ -112,3 +112,32 @@ def test_graphed_engines_over_the_same_models_run_in_turns(tiny_models, kind, he
     for _ in range(2):
         assert outputs(speculative, prompts, 3, 4, params) == expected
         assert outputs(plain, prompts, 0, 4, params) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, monkeypatch):
+    # the target's logits over 1, 3 and 6 tokens a row after 40-token prompts in cache rows 2, 0, 3, and a
+    # padding row (positions past the cache's end), with the triton kernel and with torch's attention
+    from draftsmith.serve import decode_attention, model
+
+    assert decode_attention.runs(torch.zeros(4, 6, 6, 16, dtype=dtype, device="cuda"), 2)  # these shapes take it
+    target = load_model(tiny_models["smollm2"][0], dtype, "cuda")
+    target.setup_cache(4, 96)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([2, 0, 3, 1], device="cuda")
+    prompts = torch.randint(0, 97, (4, 40), generator=g).cuda()
+    steps = [torch.randint(0, 97, (4, t), generator=g).cuda() for t in (1, 3, 6)]
+    logits = {}
+    for kernel in (False, True):
+        monkeypatch.setattr(model, "USE_DECODE_ATTENTION", kernel)
+        target(prompts, torch.arange(40, device="cuda").expand(4, 40), cache_rows=rows)
+        outs = []
+        for tokens in steps:
+            t = tokens.shape[1]
+            positions = torch.arange(40, 40 + t, device="cuda").expand(4, t).clone()
+            positions[3] = 96 + torch.arange(t)  # padding
+            outs.append(target(tokens, positions, cache_rows=rows).float())
+        logits[kernel] = outs
+    for torch_attention, kernel in zip(logits[False], logits[True]):
+        scale = torch_attention.abs().max()
+        assert (kernel - torch_attention).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * scale

@@ -1,0 +1,106 @@
+"""Attention for decode steps on a GPU: a few query tokens a row over the static KV cache, reading only
+the slots each row has filled.
+
+torch's fused kernel takes the whole cache and a [B, 1, T, S] mask, so its cost follows the cache's size,
+not the rows' lengths, and over 2+ query tokens it ran a slow cuDNN kernel: on an H200 at batch 16 and
+401 slots, 36.7 us a layer for a K = 3 verification, 58% of the demo target's forward
+(evaluate/profile_step.py). This kernel gives each (row, KV head) one program that holds the head's G
+query heads x T tokens as the rows of one tile and walks the cache in blocks up to the row's last
+position, with an online softmax (flash attention's recurrence) in float32.
+
+A query at cache slot s sees slots 0..s, never the spare slot at max_seq_len that takes padding writes
+(serve.model.CachedModel.place builds the same rule as a mask). Needs triton; its interpreter
+(TRITON_INTERPRET=1) runs it on CPU tensors in float32, which is how the suite tests it.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: the model uses torch's attention
+    triton = None
+
+MAX_QUERY_ROWS = 64  # G x T rows of one program's tile at most; longer forwards (prefills) use torch's kernel
+BLOCK_N = 64  # cache slots a loop iteration reads
+
+
+def runs(q: Tensor, kv_heads: int) -> bool:
+    """Whether decode_attention runs for queries q [B, T, H, D] on a GPU: a dtype and head size tl.dot
+    takes, and at most MAX_QUERY_ROWS query rows a KV head."""
+    B, T, H, D = q.shape
+    return (triton is not None and q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and D in (16, 32, 64, 128, 256) and H // kv_heads * T <= MAX_QUERY_ROWS)
+
+
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max_seq_len: int,
+                     read: Optional[Tensor] = None) -> Tensor:
+    """softmax(q k^T / sqrt(D)) v over each row's filled slots. q [B, T, H, D]; keys, values [R, H_kv, S, D]
+    (the whole cache, S = max_seq_len + 1); slots [B, T]: each query's cache slot (clamped position); read
+    [B]: the cache row of each batch row (None: row b). Returns [B, T, H, D] in q's dtype."""
+    B, T, H, D = q.shape
+    kv_heads = keys.shape[1]
+    groups = H // kv_heads
+    out = torch.empty_like(q)
+    block_m = max(16, triton.next_power_of_2(groups * T))
+    if block_m > MAX_QUERY_ROWS:
+        raise ValueError(f"{groups * T} query rows a KV head exceed decode_attention's {MAX_QUERY_ROWS}")
+    rows = read if read is not None else slots  # a placeholder pointer when unread
+    _decode_attention[(B, kv_heads)](
+        q, keys, values, out, slots, rows,
+        *q.stride(), *keys.stride(), *values.stride(), *out.stride(), *slots.stride(),
+        D ** -0.5, max_seq_len,
+        T=T, G=groups, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, READ_ROWS=read is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 products exactly, not in tf32
+        num_warps=4, num_stages=2)
+    return out
+
+
+if triton is not None:
+    # an opaque op to torch.compile (the compiled blocks call it; inductor does not trace into triton here)
+    op = torch.library.custom_op("draftsmith::decode_attention", decode_attention, mutates_args=())
+    op.register_fake(lambda q, keys, values, slots, max_seq_len, read=None: torch.empty_like(q))
+
+    @triton.jit
+    def _decode_attention(Q, K, V, O, Slots, Rows,
+                          sqb, sqt, sqh, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, sot, soh, sod, ssb, sst,
+                          scale, max_seq_len,
+                          T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, READ_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)  # the KV head; it serves query heads h*G .. h*G+G-1
+        row = tl.load(Rows + b) if READ_ROWS else b
+        m = tl.arange(0, BLOCK_M)  # tile row m: query head h*G + m // T, token m % T
+        real = m < G * T
+        head = h * G + m // T
+        t = m % T
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * sqb + t[:, None] * sqt + head[:, None] * sqh + d[None, :] * sqd, mask=real[:, None], other=0.0)
+        # a query at slot s sees slots 0..s; padding (s = max_seq_len) sees every slot but the spare one
+        seen = tl.minimum(tl.load(Slots + b * ssb + t * sst, mask=real, other=0) + 1, max_seq_len)  # [BLOCK_M]
+        end = 1
+        for i in tl.static_range(T):  # the last slot any of the row's queries sees
+            end = tl.maximum(end, tl.minimum(tl.load(Slots + b * ssb + i * sst) + 1, max_seq_len))
+        best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        k_base = K + row * skb + h * skh
+        v_base = V + row * svb + h * svh
+        for start in range(0, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            inside = n < end
+            k = tl.load(k_base + n[None, :] * sks + d[:, None] * skd, mask=inside[None, :], other=0.0)  # [D, N]
+            s = tl.dot(q, k, input_precision=PRECISION) * scale  # [M, N] in float32
+            s = tl.where(n[None, :] < seen[:, None], s, float("-inf"))
+            new_best = tl.maximum(best, tl.max(s, axis=1))
+            p = tl.exp(s - new_best[:, None])
+            fade = tl.exp(best - new_best)
+            total = total * fade + tl.sum(p, axis=1)
+            v = tl.load(v_base + n[:, None] * svs + d[None, :] * svd, mask=inside[:, None], other=0.0)  # [N, D]
+            acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            best = new_best
+        out = acc / total[:, None]
+        tl.store(O + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod, out.to(O.dtype.element_ty),
+                 mask=real[:, None])

@@ -1,0 +1,49 @@
+"""The GPU decode-attention kernel (serve/decode_attention.py), run by triton's interpreter on CPU tensors
+in float32 (the interpreter must be switched on before triton is imported: a subprocess), against torch's
+attention under the mask that CachedModel.place builds."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from draftsmith.serve.decode_attention import decode_attention
+
+    def reference(q, keys, values, slots, max_seq_len, read):
+        B, T = slots.shape
+        rows = read if read is not None else torch.arange(B)
+        ids = torch.arange(keys.shape[2])
+        mask = (ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1)) & (ids < max_seq_len)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys[rows], values[rows], attn_mask=mask,
+                                              enable_gqa=True).transpose(1, 2)
+
+    torch.manual_seed(0)
+    max_seq_len, heads, kv_heads, head_dim = 150, 6, 2, 16
+    keys = torch.randn(5, kv_heads, max_seq_len + 1, head_dim)
+    values = torch.randn(5, kv_heads, max_seq_len + 1, head_dim)
+    worst = 0.0
+    for T in (1, 3, 5):
+        # a row near the start, one whose queries cross a 64-slot block, a long one, and a padding row
+        # (positions past the cache's end: it sees every slot but the spare one)
+        starts = [0, 62, 140, max_seq_len]
+        slots = torch.tensor([[min(s + t, max_seq_len) for t in range(T)] for s in starts])
+        q = torch.randn(len(starts), T, heads, head_dim)
+        for read in (None, torch.tensor([4, 0, 2, 1])):
+            out = decode_attention(q, keys, values, slots, max_seq_len, read)
+            assert out.shape == q.shape and out.dtype == q.dtype
+            worst = max(worst, (out - reference(q, keys, values, slots, max_seq_len, read)).abs().max().item())
+    print(worst)
+""")
+
+
+def test_decode_attention_matches_masked_attention():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
