@@ -4,7 +4,7 @@
 attending: torch's fused kernel, the runtime's grouped_attention, the choice between those two
 (serve.model.grouped_attention_pays), and the runtime's triton kernel (serve/decode_attention.py). Needs a GPU.
 
-    python3 -m draftsmith.evaluate.profile_attention [--cache-dir DIR]
+    python3 -m draftsmith.evaluate.profile_attention [--cache-dir DIR] [--choices fused grouped either kernel]
 """
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ CHOICES = {"fused": (False, lambda batch, tokens, slots: False), "grouped": (Fal
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cache-dir", default="~/.cache/draftsmith")
+    parser.add_argument("--choices", nargs="+", choices=list(CHOICES), default=list(CHOICES))
     args = parser.parse_args()
     target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
     target = load_model(target_dir, torch.bfloat16, "cuda")
     rows = []
-    for name, (kernel, choice) in CHOICES.items():
+    for name in args.choices:
+        kernel, choice = CHOICES[name]
         model.USE_DECODE_ATTENTION, model.grouped_attention_pays = kernel, choice
         torch._dynamo.reset()  # the compiled blocks read the choice when they compile
         for slots in (320, 2056):

@@ -25,6 +25,8 @@ except ImportError:  # a CPU-only install: the model uses torch's attention
 
 MAX_QUERY_ROWS = 64  # G x T rows of one program's tile at most; longer forwards (prefills) use torch's kernel
 BLOCK_N = 64  # cache slots a loop iteration reads
+PROGRAMS = 256  # programs that keep an H200's 132 SMs busy: small batches split the cache's slots among more
+MIN_SPLIT_BLOCKS = 4  # blocks of slots a split reads at least
 
 
 def runs(q: Tensor, kv_heads: int) -> bool:
@@ -35,26 +37,44 @@ def runs(q: Tensor, kv_heads: int) -> bool:
             and D in (16, 32, 64, 128, 256) and H // kv_heads * T <= MAX_QUERY_ROWS)
 
 
+def num_splits(batch: int, kv_heads: int, slots: int) -> int:
+    """How many parts of the cache's slots the programs of one (row, KV head) share: enough programs to
+    fill the GPU at small batches, each part at least MIN_SPLIT_BLOCKS blocks of slots."""
+    return max(1, min(triton.cdiv(PROGRAMS, batch * kv_heads), triton.cdiv(slots, BLOCK_N) // MIN_SPLIT_BLOCKS))
+
+
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max_seq_len: int,
                      read: Optional[Tensor] = None) -> Tensor:
     """softmax(q k^T / sqrt(D)) v over each row's filled slots. q [B, T, H, D]; keys, values [R, H_kv, S, D]
     (the whole cache, S = max_seq_len + 1); slots [B, T]: each query's cache slot (clamped position); read
-    [B]: the cache row of each batch row (None: row b). Returns [B, T, H, D] in q's dtype."""
+    [B]: the cache row of each batch row (None: row b). Returns [B, T, H, D] in q's dtype.
+
+    With several splits (num_splits), each program attends over its part of the slots and leaves its
+    normalised output and log-sum-exp in float32; a second kernel weighs the parts together."""
     B, T, H, D = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads, S = keys.shape[1], keys.shape[2]
     groups = H // kv_heads
-    out = torch.empty_like(q)
     block_m = max(16, triton.next_power_of_2(groups * T))
     if block_m > MAX_QUERY_ROWS:
         raise ValueError(f"{groups * T} query rows a KV head exceed decode_attention's {MAX_QUERY_ROWS}")
+    splits = num_splits(B, kv_heads, S)
+    chunk = triton.cdiv(triton.cdiv(S, BLOCK_N), splits) * BLOCK_N
+    out = torch.empty_like(q)
+    if splits > 1:
+        parts = torch.empty(B, kv_heads, splits, block_m, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, kv_heads, splits, block_m, dtype=torch.float32, device=q.device)
+    else:
+        parts = lse = out  # unused
     rows = read if read is not None else slots  # a placeholder pointer when unread
-    _decode_attention[(B, kv_heads)](
-        q, keys, values, out, slots, rows,
+    _decode_attention[(B, kv_heads, splits)](
+        q, keys, values, out, parts, lse, slots, rows,
         *q.stride(), *keys.stride(), *values.stride(), *out.stride(), *slots.stride(),
-        D ** -0.5, max_seq_len,
-        T=T, G=groups, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, READ_ROWS=read is not None,
+        D ** -0.5, max_seq_len, chunk,
+        T=T, G=groups, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, READ_ROWS=read is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 products exactly, not in tf32
         num_warps=4, num_stages=2)
+    if splits > 1:
+        _combine[(B, kv_heads)](parts, lse, out, *out.stride(), T=T, G=groups, D=D, BLOCK_M=block_m, SPLITS=splits)
     return out
 
 
@@ -64,13 +84,14 @@ if triton is not None:
     op.register_fake(lambda q, keys, values, slots, max_seq_len, read=None: torch.empty_like(q))
 
     @triton.jit
-    def _decode_attention(Q, K, V, O, Slots, Rows,
+    def _decode_attention(Q, K, V, O, Parts, Lse, Slots, Rows,
                           sqb, sqt, sqh, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, sot, soh, sod, ssb, sst,
-                          scale, max_seq_len,
+                          scale, max_seq_len, chunk,
                           T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, READ_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, READ_ROWS: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)  # the KV head; it serves query heads h*G .. h*G+G-1
+        split = tl.program_id(2)
         row = tl.load(Rows + b) if READ_ROWS else b
         m = tl.arange(0, BLOCK_M)  # tile row m: query head h*G + m // T, token m % T
         real = m < G * T
@@ -88,19 +109,48 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         k_base = K + row * skb + h * skh
         v_base = V + row * svb + h * svh
-        for start in range(0, end, BLOCK_N):
+        for start in range(split * chunk, tl.minimum(split * chunk + chunk, end), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             inside = n < end
             k = tl.load(k_base + n[None, :] * sks + d[:, None] * skd, mask=inside[None, :], other=0.0)  # [D, N]
             s = tl.dot(q, k, input_precision=PRECISION) * scale  # [M, N] in float32
             s = tl.where(n[None, :] < seen[:, None], s, float("-inf"))
             new_best = tl.maximum(best, tl.max(s, axis=1))
-            p = tl.exp(s - new_best[:, None])
-            fade = tl.exp(best - new_best)
+            safe = tl.where(new_best == float("-inf"), 0.0, new_best)  # a query that sees nothing of this part yet
+            p = tl.exp(s - safe[:, None])
+            fade = tl.exp(best - safe)
             total = total * fade + tl.sum(p, axis=1)
             v = tl.load(v_base + n[:, None] * svs + d[None, :] * svd, mask=inside[:, None], other=0.0)  # [N, D]
             acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             best = new_best
-        out = acc / total[:, None]
-        tl.store(O + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod, out.to(O.dtype.element_ty),
-                 mask=real[:, None])
+        if SPLITS == 1:
+            out = acc / total[:, None]
+            tl.store(O + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod, out.to(O.dtype.element_ty),
+                     mask=real[:, None])
+        else:  # this part's output and log-sum-exp (-inf, output 0, where a query saw none of its slots)
+            part = (b * tl.num_programs(1) + h) * SPLITS + split
+            tl.store(Parts + (part * BLOCK_M + m[:, None]) * D + d[None, :], acc / tl.maximum(total, 1e-30)[:, None])
+            tl.store(Lse + part * BLOCK_M + m, best + tl.log(total))
+
+    @triton.jit
+    def _combine(Parts, Lse, O, sob, sot, soh, sod,
+                 T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D)
+        first = (b * tl.num_programs(1) + h) * SPLITS
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for i in tl.static_range(SPLITS):
+            top = tl.maximum(top, tl.load(Lse + (first + i) * BLOCK_M + m))
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        weights = tl.zeros([BLOCK_M], tl.float32)
+        for i in tl.static_range(SPLITS):
+            w = tl.exp(tl.load(Lse + (first + i) * BLOCK_M + m) - top)
+            acc += w[:, None] * tl.load(Parts + ((first + i) * BLOCK_M + m[:, None]) * D + d[None, :])
+            weights += w
+        real = m < G * T
+        head = h * G + m // T
+        t = m % T
+        tl.store(O + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod,
+                 (acc / weights[:, None]).to(O.dtype.element_ty), mask=real[:, None])

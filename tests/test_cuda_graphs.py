@@ -115,12 +115,16 @@ def test_graphed_engines_over_the_same_models_run_in_turns(tiny_models, kind, he
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, monkeypatch):
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, splits, monkeypatch):
     # the target's logits over 1, 3 and 6 tokens a row after 40-token prompts in cache rows 2, 0, 3, and a
-    # padding row (positions past the cache's end), with the triton kernel and with torch's attention
+    # padding row (positions past the cache's end), with the triton kernel (its 97 slots in 1 or 2 parts)
+    # and with torch's attention
     from draftsmith.serve import decode_attention, model
 
     assert decode_attention.runs(torch.zeros(4, 6, 6, 16, dtype=dtype, device="cuda"), 2)  # these shapes take it
+    monkeypatch.setattr(decode_attention, "MIN_SPLIT_BLOCKS", 4 if splits == 1 else 1)
+    assert decode_attention.num_splits(4, 2, 97) == splits
     target = load_model(tiny_models["smollm2"][0], dtype, "cuda")
     target.setup_cache(4, 96)
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 CHECK = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
-    from draftsmith.serve.decode_attention import decode_attention
+    from draftsmith.serve import decode_attention as kernel
 
     def reference(q, keys, values, slots, max_seq_len, read):
         B, T = slots.shape
@@ -28,16 +28,21 @@ CHECK = textwrap.dedent("""
     keys = torch.randn(5, kv_heads, max_seq_len + 1, head_dim)
     values = torch.randn(5, kv_heads, max_seq_len + 1, head_dim)
     worst = 0.0
-    for T in (1, 3, 5):
-        # a row near the start, one whose queries cross a 64-slot block, a long one, and a padding row
-        # (positions past the cache's end: it sees every slot but the spare one)
-        starts = [0, 62, 140, max_seq_len]
-        slots = torch.tensor([[min(s + t, max_seq_len) for t in range(T)] for s in starts])
-        q = torch.randn(len(starts), T, heads, head_dim)
-        for read in (None, torch.tensor([4, 0, 2, 1])):
-            out = decode_attention(q, keys, values, slots, max_seq_len, read)
-            assert out.shape == q.shape and out.dtype == q.dtype
-            worst = max(worst, (out - reference(q, keys, values, slots, max_seq_len, read)).abs().max().item())
+    # one pass over the slots; then the slots split in three parts of 64 (a part that a row has not reached,
+    # and queries of one row that see none of a part that its other queries see)
+    for min_split_blocks, splits in ((4, 1), (1, 3)):
+        kernel.MIN_SPLIT_BLOCKS = min_split_blocks
+        assert kernel.num_splits(4, kv_heads, max_seq_len + 1) == splits
+        for T in (1, 3, 5):
+            # a row near the start, one whose queries cross a 64-slot block, a long one, and a padding row
+            # (positions past the cache's end: it sees every slot but the spare one)
+            starts = [0, 62, 140, max_seq_len]
+            slots = torch.tensor([[min(s + t, max_seq_len) for t in range(T)] for s in starts])
+            q = torch.randn(len(starts), T, heads, head_dim)
+            for read in (None, torch.tensor([4, 0, 2, 1])):
+                out = kernel.decode_attention(q, keys, values, slots, max_seq_len, read)
+                assert out.shape == q.shape and out.dtype == q.dtype and out.isfinite().all()
+                worst = max(worst, (out - reference(q, keys, values, slots, max_seq_len, read)).abs().max().item())
     print(worst)
 """)
 
