@@ -28,9 +28,10 @@ from draftsmith.serve.weights import load_model
 
 
 def timed_phases(scheduler: Scheduler) -> dict[str, float]:
-    """Wrap the scheduler's launch, hand-out and admission to add up their wall time (seconds)."""
+    """Wrap the scheduler's launch, hand-out, admission and prefill to add up their wall time (seconds), and
+    count the prefills (each admits the requests that join at one step)."""
     spent = Counter()
-    for name in ("_launch", "_hand_out", "_admit"):
+    for name in ("_launch", "_hand_out", "_admit", "_prefill"):
         inner = getattr(scheduler, name)
 
         def wrapped(*args, inner=inner, name=name):
@@ -39,6 +40,7 @@ def timed_phases(scheduler: Scheduler) -> dict[str, float]:
                 return inner(*args)
             finally:
                 spent[name] += time.perf_counter() - started
+                spent[name + " calls"] += 1
 
         setattr(scheduler, name, wrapped)
     return spent
@@ -83,7 +85,7 @@ def main() -> None:
         steps = sum(ks.values())
         lines.append(f"{label:<16} {tokens / seconds:>9.1f} tok/s  {steps:>5} steps  {1000 * seconds / steps:6.3f} ms/step  "
                      f"launch {1000 * spent['_launch'] / steps:.3f}  hand-out {1000 * spent['_hand_out'] / steps:.3f}  "
-                     f"admit {1000 * spent['_admit']:.1f} ms total  K {dict(sorted(ks.items()))}  graph ms by K {costs}")
+                     f"admit {1000 * spent['_admit']:.1f} ms total ({spent['_prefill calls']} prefills)  K {dict(sorted(ks.items()))}  graph ms by K {costs}")
         if adaptive:
             profiler = cProfile.Profile()
             profiler.enable()

@@ -21,7 +21,7 @@ from draftsmith.serve.graphs import GraphedForward, GraphedPrefill, GraphedSteps
 from draftsmith.serve.model import Transformer
 from draftsmith.serve.proposers import DraftModel, EagleProposer, Proposer
 from draftsmith.serve.rejection import Verifier, rejection_sample
-from draftsmith.serve.sampling import Random, RowSampling, SamplingParams, probabilities, sample
+from draftsmith.serve.sampling import Random, RowSampling, SamplingParams, probabilities, sample, to_device
 from draftsmith.serve.speculative import DecodeState, StepOutput, decode_step
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import Detokenize, StopChecker
@@ -154,15 +154,15 @@ def detokenizer_of(model_dir: Path) -> Detokenize | None:
 
 
 def make_proposer(target: Transformer, draft: Transformer | EagleHead | None, draft_forward: GraphedForward | None,
-                  fused: bool) -> Proposer | None:
+                  fused: bool, draft_prefill: GraphedPrefill | None = None) -> Proposer | None:
     """A draft as a proposer; fused: with compiled forwards (inside whole-step graphs), else through
-    `draft_forward` (a draft model's graphed forward)."""
+    `draft_forward` (a draft model's graphed forward); a draft model reads prompts through `draft_prefill`."""
     if draft is None:
         return None
     if isinstance(draft, EagleHead):
         return EagleProposer(draft, target.tok_embeddings, fused)
     forward = (lambda tokens, positions: draft(tokens, positions, fused=True)) if fused else draft_forward
-    return DraftModel(draft, forward, target.args.vocab_size)
+    return DraftModel(draft, forward, target.args.vocab_size, draft_prefill)
 
 
 class Engine:
@@ -198,6 +198,8 @@ class Engine:
         self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks, hidden_layers=self.hidden_layers)
         self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if isinstance(draft, Transformer) else None
         self.target_prefill = GraphedPrefill(target, self.hidden_layers, cuda_graphs)
+        # a joining request's prefill holds up every running row: the draft model's runs as a graph too
+        self.draft_prefill = GraphedPrefill(draft, (), cuda_graphs) if self.draft_forward is not None else None
         if self.eagle and self.target_forward.enabled and compile_blocks:
             draft.compile_layers()
         self.draft_proposer = self.proposer()
@@ -220,7 +222,7 @@ class Engine:
 
     def proposer(self, fused: bool = False) -> Proposer | None:
         """The engine's draft as a proposer; fused: with compiled forwards (inside whole-step graphs)."""
-        return make_proposer(self.target, self.draft, self.draft_forward, fused)
+        return make_proposer(self.target, self.draft, self.draft_forward, fused, self.draft_prefill)
 
     def idle_state(self, batch: int) -> DecodeState:
         """Rows parked past the cache's end (DecodeState.idle), with the draft's hidden state if it keeps one."""
@@ -266,9 +268,9 @@ class Engine:
         padded = torch.zeros(B, longest, dtype=torch.long)
         for i, prompt in enumerate(prompts):
             padded[i, : len(prompt)] = torch.tensor(prompt)
-        tokens = padded.to(self.device)  # one copy to the device
+        tokens = to_device(padded, self.device)  # one copy to the device
         positions = torch.arange(longest, device=self.device).expand(B, longest)  # padding lands past each length
-        lengths = torch.tensor([len(p) for p in prompts]).to(self.device)
+        lengths = to_device([len(p) for p in prompts], self.device)
         if cache_rows is None:
             cache_rows = torch.arange(B, device=self.device)
         # last [B, V]: the logits after each prompt's last token; hidden states at every position [B, T, F]
@@ -299,7 +301,7 @@ class Engine:
         state, first_logits = self.prefill(prompts, rows, generator)
         self.emit_first(state, first_logits, stops, logprobs, on_tokens)
         active_rows = [stop.finish_reason is None for stop in stops]
-        active = torch.tensor(active_rows, device=self.device)
+        active = to_device(active_rows, self.device)
         generation = Generation(completions=[])
         reads_history = k > 0 and proposer.reads_history
         # a step's tokens are read while the next one runs, unless the next step needs them (prompt lookup
@@ -315,7 +317,7 @@ class Engine:
             in_flight = launched if ahead else None  # the last one, launched before the rows stopped, goes unread
             still = [a and stop.finish_reason is None for a, stop in zip(active_rows, stops)]
             if still != active_rows:
-                active_rows, active = still, torch.tensor(still, device=self.device)
+                active_rows, active = still, to_device(still, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         generation.seconds = time.perf_counter() - started

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -69,8 +69,9 @@ def draw(logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSamplin
 class DraftModel:
     reads_history = False
 
-    def __init__(self, model: Transformer, forward: Forward, vocab_size: int):
+    def __init__(self, model: Transformer, forward: Forward, vocab_size: int, prompt_forward: Callable | None = None):
         self.model, self.forward, self.vocab_size = model, forward, vocab_size  # forward: model's, maybe graphed
+        self.prompt_forward = prompt_forward  # (tokens, positions, lengths, cache_rows): the graphed prefill, if any
 
     def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
                 histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
@@ -89,7 +90,10 @@ class DraftModel:
 
     def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> None:
         # the prompts into the draft's cache; its logits are not wanted: the LM head runs at one position a row
-        self.model(tokens, positions, cache_rows=cache_rows, logits_at=(lengths - 1).unsqueeze(1))
+        if self.prompt_forward is not None:
+            self.prompt_forward(tokens, positions, lengths, cache_rows)
+        else:
+            self.model(tokens, positions, cache_rows=cache_rows, logits_at=(lengths - 1).unsqueeze(1))
 
     def follow(self, state: DecodeState, out: StepOutput) -> None:
         """After a plain step (one token out, nothing drafted), read what the next speculative step's

@@ -12,6 +12,15 @@ import torch
 from torch import Tensor
 
 
+def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+    """`data` (a list or a CPU tensor) on `device`. To a GPU it goes through pinned memory, without waiting:
+    a plain copy from pageable memory waits for every step queued before it, and the host then idles."""
+    host = data if isinstance(data, Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; the message names it and the allowed range."""
 
@@ -64,11 +73,11 @@ class RowSampling:
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
         return cls(
-            temperature=torch.tensor([max(p.temperature, 1e-5) for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], device=device),
-            greedy=torch.tensor([p.greedy for p in params], device=device),
-            min_p=torch.tensor([p.min_p for p in params], device=device) if any(p.min_p > 0 for p in params) else None,
+            temperature=to_device([max(p.temperature, 1e-5) for p in params], device),
+            top_p=to_device([p.top_p for p in params], device),
+            top_k=to_device([p.top_k for p in params], device),
+            greedy=to_device([p.greedy for p in params], device),
+            min_p=to_device([p.min_p for p in params], device) if any(p.min_p > 0 for p in params) else None,
             needs_sort=any(p.top_p < 1 or p.top_k > 0 for p in params),
             all_greedy=all(p.greedy for p in params),
             any_greedy=any(p.greedy for p in params),

@@ -23,7 +23,7 @@ from draftsmith.evaluate.cost import expected_tokens
 from draftsmith.serve.engine import Completion, Engine, EngineError, Launched, Logprobs
 from draftsmith.serve.graphs import bucket
 from draftsmith.serve.proposers import Proposer
-from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, SamplingParams
+from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, SamplingParams, to_device
 from draftsmith.serve.speculative import DecodeState
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import StopChecker
@@ -156,7 +156,9 @@ class Scheduler:
                 if e.draft_forward is not None and self.max_k > 0:
                     for t in (1, 2):  # a draft model's first forward of a step reads 2 tokens
                         e.draft_forward(tokens(b, t), tokens(b, t) + e.max_seq_len)
-                e.target_prefill.capture_all(b)
+                for prefill in (e.target_prefill, e.draft_prefill):
+                    if prefill is not None:
+                        prefill.capture_all(b)
                 log.info("warm-up: batch %d's sampled forwards and prefills captured (%.0f s%s)", b, time.perf_counter() - started,
                          _memory(e.device))
 
@@ -246,7 +248,7 @@ class Scheduler:
     def _active(self, rows: tuple[bool, ...]) -> torch.Tensor:
         """The rows' mask on the device, made once per pattern (a fresh one would wait for the step in flight)."""
         if self._mask is None or self._mask[0] != rows:
-            self._mask = (rows, torch.tensor(rows, device=self.engine.device))
+            self._mask = (rows, to_device(rows, self.engine.device))
         return self._mask[1]
 
     def _hand_out(self, launched: Launched, running: list[Running | None]) -> None:
@@ -333,7 +335,7 @@ class Scheduler:
         sampling = RowSampling.of([r.params for r in requests], self.engine.device)
         own = {i: torch.Generator(self.engine.device).manual_seed(r.params.seed) for i, r in enumerate(requests)
                if r.params.seed is not None}
-        cache_rows = torch.tensor(rows, device=self.engine.device)
+        cache_rows = to_device(rows, self.engine.device)
         prefilled = self.engine.prefill([r.prompt for r in requests], sampling, RowGenerators.of(self.generator, own),
                                         cache_rows=cache_rows)
         return requests, rows, stops, own, prefilled
