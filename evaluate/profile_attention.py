@@ -1,10 +1,9 @@
 """What the cache's size costs the target's graphed, compiled forward: milliseconds per forward over 1,
 4 and 8 tokens per row (a plain step, a K=3 and a K=7 verification) at batch 1 and 16, with caches of
 320 slots (bench decode's 256 new tokens) and 2,056 (a server's 2,048-token context), all filled, for each way of
-attending: torch's fused kernel, the runtime's grouped_attention, the choice between those two
-(serve.model.grouped_attention_pays), and the runtime's triton kernel (serve/decode_attention.py). Needs a GPU.
+attending: torch's fused kernel and the runtime's triton kernel (serve/decode_attention.py). Needs a GPU.
 
-    python3 -m draftsmith.evaluate.profile_attention [--cache-dir DIR] [--choices fused grouped either kernel]
+    python3 -m draftsmith.evaluate.profile_attention [--cache-dir DIR] [--choices fused kernel]
 """
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ from draftsmith.serve import model
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.weights import load_model
 
-# name: (the triton kernel?, grouped_attention or torch's fused kernel when not)
-CHOICES = {"fused": (False, lambda batch, tokens, slots: False), "grouped": (False, lambda batch, tokens, slots: True),
-           "either": (False, model.grouped_attention_pays), "kernel": (True, model.grouped_attention_pays)}
+CHOICES = {"fused": False, "kernel": True}  # name: the triton kernel?
 
 
 def main() -> None:
@@ -33,8 +30,7 @@ def main() -> None:
     target = load_model(target_dir, torch.bfloat16, "cuda")
     rows = []
     for name in args.choices:
-        kernel, choice = CHOICES[name]
-        model.USE_DECODE_ATTENTION, model.grouped_attention_pays = kernel, choice
+        model.USE_DECODE_ATTENTION = CHOICES[name]
         torch._dynamo.reset()  # the compiled blocks read the choice when they compile
         for slots in (320, 2056):
             engine = Engine(target, max_batch_size=16, max_seq_len=slots)
@@ -42,7 +38,7 @@ def main() -> None:
             rows += [(name, slots, b, t, time_forward(engine.target_forward, b, t, engine.device, repeats=30, start=slots - t))
                      for b in (1, 16) for t in (1, 4, 8)]
             del engine
-    model.USE_DECODE_ATTENTION, model.grouped_attention_pays = CHOICES["kernel"]
+    model.USE_DECODE_ATTENTION = True
     print(f"\n{'attention':<10} {'slots':>6} {'batch':>6} {'tokens':>7} {'ms':>8}")
     for name, slots, b, t, ms in rows:
         print(f"{name:<10} {slots:>6} {b:>6} {t:>7} {ms:>8.3f}")

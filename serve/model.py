@@ -165,9 +165,7 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """q [B, T, H, D] over keys, values [B, H_kv, S, D] with mask [B or 1, 1, T, S] -> [B, T, hidden]."""
         B, T = q.shape[:2]
-        if torch.compiler.is_compiling() and grouped_attention_pays(B, T, keys.shape[2]):  # compiled verify forwards
-            y = grouped_attention(q.transpose(1, 2), keys, values, mask)
-        elif q.device.type == "cpu" and T > 1:
+        if q.device.type == "cpu" and T > 1:
             y = folded_attention(q.transpose(1, 2), keys, values, mask)
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
@@ -187,39 +185,8 @@ class Attention(nn.Module):
         return self.attend(q, keys, values, mask)
 
 
-# Decode steps read 1 to K+1 tokens per row. On an H200 (evaluate/profile_step.py), torch's fused attention
-# (cuDNN) took 7.1 us a layer for one query token and 18.7 us for 2..5, and the demo target's forward
-# 1.12 ms over one token and 1.57-1.67 ms over 2..5; grouped_attention, compiled into reductions, brought
-# these to 1.06 and 1.20-1.37 ms, a plain step from 1.14 to 1.07 ms and a K=2 step from 2.06 to 1.80 ms.
-# At 2,056 cache slots (a server's 2,048-token context) the same comparison turned: batch 16's target forward
-# over 8 tokens took 37.3 ms grouped against 5.0 ms fused, over 1 token 5.2 against 1.5 ms; over one token
-# the fused kernel was never slower. So grouped_attention runs for 2+ query tokens where batch x tokens x
-# cache slots is at most this (batch 1, 4 tokens, 2,056 slots: 2.17 against 2.93 ms fused).
-GROUPED_ATTENTION_MAX_WORK = 12288
-# On a GPU with triton, forwards of a few tokens a row attend with serve/decode_attention.py instead
+# On a GPU with triton, forwards of a few tokens a row attend with serve/decode_attention.py
 USE_DECODE_ATTENTION = True
-
-
-def grouped_attention_pays(batch: int, tokens: int, slots: int) -> bool:
-    """Whether a compiled forward of `tokens` query tokens per row over `slots` cache slots attends with
-    grouped_attention rather than torch's fused kernel (evaluate/profile_attention.py measures both)."""
-    return tokens > 1 and batch * tokens * slots <= GROUPED_ATTENTION_MAX_WORK
-
-
-def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(D)) v for a few query tokens over the cache, accumulated in float32 at least.
-    q [B, H, T, D]; keys, values [B, H_kv, S, D] (query heads h*G..h*G+G-1 read KV head h); mask [B, 1, T, S].
-    Written as products and sums that inductor fuses into reductions (cuBLAS picked slow kernels for
-    these shapes); run eagerly it would materialise [.., S, D] per query row, so the model compiles it only."""
-    B, H, T, D = q.shape
-    kv_heads = keys.shape[1]
-    groups = H // kv_heads
-    accumulate = torch.promote_types(q.dtype, torch.float32)
-    q = q.reshape(B, kv_heads, groups * T, 1, D)
-    scores = (q * keys.unsqueeze(2)).sum(-1, dtype=accumulate) * D ** -0.5  # [B, H_kv, G*T, S]
-    scores = scores.view(B, kv_heads, groups, T, -1).masked_fill(~mask.unsqueeze(2), float("-inf"))
-    probs = scores.softmax(-1).view(B, kv_heads, groups * T, -1, 1)
-    return (probs * values.unsqueeze(2)).sum(-2).to(values.dtype).view(B, H, T, D)
 
 
 def folded_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:

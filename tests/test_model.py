@@ -67,13 +67,11 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(tiny_models):
 
 
 @pytest.mark.parametrize("heads, kv_heads, tokens", [(6, 2, 1), (6, 2, 4), (4, 4, 3)])
-@pytest.mark.parametrize("attention", ["grouped", "folded"])
-def test_grouped_and_folded_attention_equal_sdpa(heads, kv_heads, tokens, attention):
-    # the compiled decode path's attention (grouped) and the CPU's over several query tokens (folded): each
-    # row's queries at its own positions over a cache
+def test_folded_attention_equals_sdpa(heads, kv_heads, tokens):
+    # the CPU's attention over several query tokens: each row's queries at its own positions over a cache
     import torch.nn.functional as F
 
-    from draftsmith.serve.model import folded_attention, grouped_attention
+    from draftsmith.serve.model import folded_attention
 
     torch.manual_seed(0)
     B, S, D = 3, 24, 16
@@ -82,8 +80,7 @@ def test_grouped_and_folded_attention_equal_sdpa(heads, kv_heads, tokens, attent
     positions = torch.tensor([[2], [9], [20]]) + torch.arange(tokens)  # [B, T]
     mask = torch.arange(S).view(1, 1, 1, S) <= positions.view(B, 1, tokens, 1)
     expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
-    attend = grouped_attention if attention == "grouped" else folded_attention
-    torch.testing.assert_close(attend(q, keys, values, mask), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(folded_attention(q, keys, values, mask), expected, rtol=0, atol=1e-12)
 
 
 def test_the_compute_dtype_is_bf16_on_a_cpu_only_where_it_multiplies_in_bf16(monkeypatch):
