@@ -82,16 +82,27 @@ def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_p
     assert not torch.equal(before.layers[0].attention.wqkv.weight, after.layers[0].attention.wqkv.weight)
 
 
-def test_on_policy_continuations_are_the_drafts_own_samples(tiny_models):
-    """DistillSpec's on-policy rows: first tokens follow the draft's distribution at T = 1 (chi-square),
-    continuations stop at EOS and at the teacher's length, and a seed repeats them exactly."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_on_policy_continuations_are_the_drafts_own_samples(tiny_models, lora):
+    """DistillSpec's on-policy rows, sampled by the runtime's engine (a LoRA draft: by transformers'
+    generate): first tokens follow the draft's distribution at T = 1 (chi-square), continuations stop at
+    EOS and at the teacher's length, a seed repeats them exactly, and a sampler that has run once samples
+    the draft's new weights after a training step."""
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.train import sample_continuations
+    from draftsmith.distill.stage import with_lora
+    from draftsmith.distill.train import DraftSampler
 
     _, draft_dir = tiny_models["llama"]
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    if lora:
+        draft = with_lora(draft, 4)
+        with torch.no_grad():  # adapters that change the output (peft starts them at zero)
+            for name, p in draft.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+    sample_continuations = DraftSampler()
     prompt = [3, 14, 15, 92, 65]
     with torch.no_grad():
         probs = torch.softmax(draft(torch.tensor([prompt])).logits[0, -1].double(), -1)
@@ -112,6 +123,13 @@ def test_on_policy_continuations_are_the_drafts_own_samples(tiny_models):
     for row, length in zip(rows, lengths):
         assert 1 <= len(row) <= length and common not in row[:-1]  # cut at its first EOS, which it keeps
         assert len(row) == length or row[-1] == common
+
+    before = sample_continuations(draft, prompts, lengths, eos=(), seed=3)
+    with torch.no_grad():  # a training step's worth of change
+        for p in draft.parameters():
+            p.mul_(1.5)
+    after = sample_continuations(draft, prompts, lengths, eos=(), seed=3)
+    assert after != before and after == DraftSampler()(draft, prompts, lengths, eos=(), seed=3)
 
 
 def test_on_policy_training_scores_the_drafts_samples_with_the_target(tiny_models, tmp_path):
