@@ -8,8 +8,10 @@ not the rows' lengths, and over 2+ query tokens it ran a slow cuDNN kernel: on a
 query heads x T tokens as the rows of one tile and walks the cache in blocks up to the row's last
 position, with an online softmax (flash attention's recurrence) in float32.
 
-A query at cache slot s sees slots 0..s, never the spare slot at max_seq_len that takes padding writes
-(serve.model.CachedModel.place builds the same rule as a mask). Needs triton; its interpreter
+A query at cache slot s sees slots 0..s (serve.model.CachedModel.place builds the same rule as a mask). A
+padding query, at the spare slot max_seq_len that takes padding writes (an idle row of the batch, a row
+that pads a prefill to its graph's batch), sees slot 0 only: its output is dropped, and under the mask
+rule it read the whole cache, as much work as the longest real row. Needs triton; its interpreter
 (TRITON_INTERPRET=1) runs it on CPU tensors in float32, which is how the suite tests it.
 """
 from typing import Optional
@@ -99,11 +101,13 @@ if triton is not None:
         t = m % T
         d = tl.arange(0, D)
         q = tl.load(Q + b * sqb + t[:, None] * sqt + head[:, None] * sqh + d[None, :] * sqd, mask=real[:, None], other=0.0)
-        # a query at slot s sees slots 0..s; padding (s = max_seq_len) sees every slot but the spare one
-        seen = tl.minimum(tl.load(Slots + b * ssb + t * sst, mask=real, other=0) + 1, max_seq_len)  # [BLOCK_M]
+        # a query at slot s sees slots 0..s; padding (s = max_seq_len) slot 0 only
+        slot = tl.load(Slots + b * ssb + t * sst, mask=real, other=0)
+        seen = tl.where(slot < max_seq_len, slot + 1, 1)  # [BLOCK_M]
         end = 1
         for i in tl.static_range(T):  # the last slot any of the row's queries sees
-            end = tl.maximum(end, tl.minimum(tl.load(Slots + b * ssb + i * sst) + 1, max_seq_len))
+            last = tl.load(Slots + b * ssb + i * sst)
+            end = tl.maximum(end, tl.where(last < max_seq_len, last + 1, 1))
         best = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)

@@ -117,9 +117,9 @@ def test_graphed_engines_over_the_same_models_run_in_turns(tiny_models, kind, he
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, splits, monkeypatch):
-    # the target's logits over 1, 3 and 6 tokens a row after 40-token prompts in cache rows 2, 0, 3, and a
-    # padding row (positions past the cache's end), with the triton kernel (its 97 slots in 1 or 2 parts)
-    # and with torch's attention
+    # the target's logits over 1, 3 and 6 tokens a row after 40-token prompts in cache rows 2, 0, 3, with
+    # the triton kernel (its 97 slots in 1 or 2 parts) and with torch's attention; a fourth, padding row
+    # (positions past the cache's end) sees less with the kernel, and only has to stay finite
     from draftsmith.serve import decode_attention, model
 
     assert decode_attention.runs(torch.zeros(4, 6, 6, 16, dtype=dtype, device="cuda"), 2)  # these shapes take it
@@ -143,5 +143,6 @@ def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, spl
             outs.append(target(tokens, positions, cache_rows=rows).float())
         logits[kernel] = outs
     for torch_attention, kernel in zip(logits[False], logits[True]):
-        scale = torch_attention.abs().max()
-        assert (kernel - torch_attention).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * scale
+        scale = torch_attention[:3].abs().max()
+        assert (kernel[:3] - torch_attention[:3]).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * scale
+        assert kernel[3].isfinite().all()

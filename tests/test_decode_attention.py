@@ -19,7 +19,8 @@ CHECK = textwrap.dedent("""
         B, T = slots.shape
         rows = read if read is not None else torch.arange(B)
         ids = torch.arange(keys.shape[2])
-        mask = (ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1)) & (ids < max_seq_len)
+        seen = torch.where(slots < max_seq_len, slots, 0)  # padding queries: slot 0 only
+        mask = ids.view(1, 1, 1, -1) <= seen.view(B, 1, T, 1)
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys[rows], values[rows], attn_mask=mask,
                                               enable_gqa=True).transpose(1, 2)
 
@@ -35,11 +36,11 @@ CHECK = textwrap.dedent("""
         assert kernel.num_splits(4, kv_heads, max_seq_len + 1) == splits
         for T in (1, 3, 5):
             # a row near the start, one whose queries cross a 64-slot block, a long one, and a padding row
-            # (positions past the cache's end: it sees every slot but the spare one)
-            starts = [0, 62, 140, max_seq_len]
+            # (at the spare slot: it sees slot 0 only), and a row whose last queries are padding
+            starts = [0, 62, 140, max_seq_len, max_seq_len - 2]
             slots = torch.tensor([[min(s + t, max_seq_len) for t in range(T)] for s in starts])
             q = torch.randn(len(starts), T, heads, head_dim)
-            for read in (None, torch.tensor([4, 0, 2, 1])):
+            for read in (None, torch.tensor([4, 0, 2, 1, 3])):
                 out = kernel.decode_attention(q, keys, values, slots, max_seq_len, read)
                 assert out.shape == q.shape and out.dtype == q.dtype and out.isfinite().all()
                 worst = max(worst, (out - reference(q, keys, values, slots, max_seq_len, read)).abs().max().item())
