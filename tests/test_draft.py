@@ -92,7 +92,7 @@ def test_on_policy_continuations_are_the_drafts_own_samples(tiny_models, lora):
     from transformers import AutoModelForCausalLM
 
     from draftsmith.distill.stage import with_lora
-    from draftsmith.distill.train import DraftSampler
+    from draftsmith.distill.on_policy import DraftSampler
 
     _, draft_dir = tiny_models["llama"]
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
