@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 
-def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+def to_device(data, device: torch.device | str) -> Tensor:
     """`data` (a list or a CPU tensor) on `device`. To a GPU it goes through pinned memory, without waiting:
     a plain copy from pageable memory waits for every step queued before it, and the host then idles."""
-    host = data if isinstance(data, Tensor) else torch.tensor(data, dtype=dtype)
+    host = data if isinstance(data, Tensor) else torch.tensor(data)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
