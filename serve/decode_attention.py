@@ -66,8 +66,8 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max
         parts = torch.empty(B, kv_heads, splits, block_m, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, kv_heads, splits, block_m, dtype=torch.float32, device=q.device)
     else:
-        parts = lse = out  # unused
-    rows = read if read is not None else slots  # a placeholder pointer when unread
+        parts = lse = out  # not read: the kernel writes the output itself
+    rows = read if read is not None else slots  # any tensor when READ_ROWS is off: the kernel reads it only then
     _decode_attention[(B, kv_heads, splits)](
         q, keys, values, out, parts, lse, slots, rows,
         *q.stride(), *keys.stride(), *values.stride(), *out.stride(), *slots.stride(),

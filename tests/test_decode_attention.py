@@ -33,7 +33,7 @@ CHECK = textwrap.dedent("""
     # and queries of one row that see none of a part that its other queries see)
     for min_split_blocks, splits in ((4, 1), (1, 3)):
         kernel.MIN_SPLIT_BLOCKS = min_split_blocks
-        assert kernel.num_splits(4, kv_heads, max_seq_len + 1) == splits
+        assert kernel.num_splits(5, kv_heads, max_seq_len + 1) == splits  # the 5 rows below
         for T in (1, 3, 5):
             # a row near the start, one whose queries cross a 64-slot block, a long one, and a padding row
             # (at the spare slot: it sees slot 0 only), and a row whose last queries are padding
