@@ -162,6 +162,10 @@ class EagleObjective:
         head_rows = target.get_output_embeddings().weight[self.vocab]  # [V', hidden]
         return features, F.linear(out.last_hidden_state, head_rows)
 
+    def keep_target_states(self, rows) -> None:
+        """Nothing is kept: the head reads the target's states at several layers and every position, a
+        multiple of the memory of a draft model's final states at response positions."""
+
     def loss(self, student, target, batch) -> Tensor:
         features, logits = self.target_outputs(target, batch)
         loss, _ = student(batch.input_ids, features, logits, batch.predict, self.loss_fn)

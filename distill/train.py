@@ -22,6 +22,7 @@ from torch.profiler import record_function
 from draftsmith.distill import checkpoint, losses
 from draftsmith.distill.on_policy import DraftSampler
 from draftsmith.pipeline.config import DistillConfig
+from draftsmith.serve.sampling import to_device
 
 
 @dataclass
@@ -33,6 +34,9 @@ class Batch:
     topk_ids: torch.Tensor | None  # [N, k]
     topk_logprobs: torch.Tensor | None  # [N, k]
     position_ids: torch.Tensor | None = None  # [B, L] packed rows: each sequence counts from 0
+    predict_index: torch.Tensor | None = None  # [N] flat positions of `predict`, in order: gathering by them needs no sync
+    sources: tuple[dict, ...] = ()  # the rows, in the order of `labels`
+    counts: tuple[int, ...] = ()  # response positions per row of `sources`
 
     @property
     def num_targets(self) -> int:
@@ -76,7 +80,7 @@ def collate(rows: list[dict], max_seq_len: int, device: torch.device, pack: bool
     attention_mask = np.zeros((len(placement), width), dtype=np.int64)
     position_ids = np.zeros((len(placement), width), dtype=np.int64)
     predict = np.zeros((len(placement), width), dtype=bool)
-    labels, topk_ids, topk_logprobs = [], [], []
+    labels, topk_ids, topk_logprobs, sources, counts = [], [], [], [], []
     cached = all("topk_ids" in row for row in rows)  # else (on-policy rows among them) the target runs online
     for b, members in enumerate(placement):
         offset = 0
@@ -87,17 +91,19 @@ def collate(rows: list[dict], max_seq_len: int, device: torch.device, pack: bool
             position_ids[b, offset:offset + len(seq)] = np.arange(len(seq))
             predict[b, offset + start:offset + end] = True
             labels.extend(seq[start + 1:end + 1])
+            sources.append(rows[i])
+            counts.append(end - start)
             if cached:
                 topk_ids.extend(rows[i]["topk_ids"][: end - start])
                 topk_logprobs.extend(rows[i]["topk_logprobs"][: end - start])
             offset += len(seq)
         position_ids[b, offset:] = np.arange(width - offset)  # a packed row's padding: a sequence of its own
     has_cache = bool(topk_ids)
-    to = lambda array: torch.from_numpy(array).to(device, non_blocking=True)
+    to = lambda array: to_device(torch.from_numpy(array), device)
     return Batch(to(input_ids), None if pack else to(attention_mask), to(predict), to(np.array(labels, dtype=np.int64)),
-                 torch.tensor(topk_ids, device=device) if has_cache else None,
-                 torch.tensor(topk_logprobs, device=device) if has_cache else None,
-                 to(position_ids) if pack else None)
+                 to_device(topk_ids, device) if has_cache else None,
+                 to_device(topk_logprobs, device) if has_cache else None,
+                 to(position_ids) if pack else None, to(np.flatnonzero(predict)), tuple(sources), tuple(counts))
 
 
 @torch.no_grad()
@@ -114,13 +120,44 @@ def predicted_hidden(model, batch: Batch) -> torch.Tensor:
     batch's response positions. Called through the model itself, so that a data-parallel wrapper sees
     its forward; its LM head runs on one position only."""
     out = model(**batch.inputs(), output_hidden_states=True, logits_to_keep=1)
-    return out.hidden_states[-1][batch.predict]
+    return out.hidden_states[-1].flatten(0, 1).index_select(0, batch.predict_index)
 
 
 def predicted_logits(model, batch: Batch) -> torch.Tensor:
     """The model's logits [N, V] at the batch's response positions only: its LM head (V = 49,152 columns
     for SmolLM2) runs on those instead of on every prompt and padding position."""
     return getattr(model, "module", model).get_output_embeddings()(predicted_hidden(model, batch))
+
+
+class KeptStates:
+    """The target's final hidden states [n, H] at the response positions of fixed rows (the teacher data, the
+    held-out split), kept on the device from the first forward over each row: the target does not train, so a
+    row's states never change, and later batches of it run only the target's LM head. Rows are known by
+    identity and must be registered (`keep`); a batch holding any other row (an on-policy continuation) runs
+    the target. At most `budget_bytes` are kept; rows beyond that run the target every time."""
+
+    def __init__(self, budget_bytes: float):
+        self.budget, self.used = budget_bytes, 0
+        self.registered: dict[int, dict] = {}  # id -> row, which also keeps the row (and so its id) alive
+        self.states: dict[int, torch.Tensor] = {}
+
+    def keep(self, rows: Sequence[dict]) -> None:
+        if self.budget > 0:
+            self.registered.update((id(row), row) for row in rows)
+
+    @torch.no_grad()
+    def hidden(self, target, batch: Batch) -> torch.Tensor:
+        """The target's final hidden states at the batch's response positions [N, H], in `labels` order."""
+        keys = [id(row) for row in batch.sources]
+        if keys and all(key in self.states for key in keys):
+            return torch.cat([self.states[key] for key in keys])
+        hidden = predicted_hidden(target, batch)
+        for key, part in zip(keys, hidden.split(list(batch.counts))):
+            size = part.numel() * part.element_size()
+            if key in self.registered and key not in self.states and self.used + size <= self.budget:
+                self.states[key] = part  # a view: the batch's tensor stays as long as one of its rows is kept
+                self.used += size
+        return hidden
 
 
 class DraftObjective:
@@ -131,7 +168,11 @@ class DraftObjective:
     def __init__(self, cfg: DistillConfig, online: bool):
         self.cfg, self.online = cfg, online
         self.against_target = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta, compiled=cfg.compile)
-        self._held_out_target: tuple[list | None, dict[int, torch.Tensor]] = (None, {})  # rows, batch start -> [N, H]
+        self.kept = KeptStates(cfg.target_states_gib * 2**30)
+
+    def keep_target_states(self, rows: Sequence[dict]) -> None:
+        """Keep the target's states of these rows from their first forward on (distill.target_states_gib)."""
+        self.kept.keep(rows)
 
     def loss(self, student, target, batch: Batch) -> torch.Tensor:
         needs_target = self.online or (batch.topk_ids is None and self.cfg.loss.value != "hard_label")
@@ -143,7 +184,7 @@ class DraftObjective:
         target_hidden = target_head = None
         if needs_target:
             with torch.no_grad(), record_function("target forward"):
-                target_hidden, target_head = predicted_hidden(target, batch), target.get_output_embeddings().weight
+                target_hidden, target_head = self.kept.hidden(target, batch), target.get_output_embeddings().weight
 
         def per_position(logits: torch.Tensor, rows: slice) -> torch.Tensor:
             target_logits = None
@@ -179,18 +220,13 @@ class DraftObjective:
     @torch.no_grad()
     def held_out(self, student, target, rows: list[dict], device) -> dict[str, float]:
         """Held-out loss and exact TVD to the target (full vocabulary, T = 1), per response token. The
-        target does not train, so its final hidden states there are computed at the first evaluation of
-        `rows` and kept: later evaluations run only its LM head (on a CPU the target's forward was most
-        of an evaluation's time)."""
-        if self._held_out_target[0] is not rows:
-            self._held_out_target = (rows, {})
-        kept = self._held_out_target[1]
+        target's states at `rows` are kept from the first evaluation (within distill.target_states_gib):
+        later ones run only its LM head (on a CPU the target's forward was most of an evaluation's time)."""
+        self.kept.keep(rows)
         total_tvd, total_loss, count = 0.0, 0.0, 0
         for start in range(0, len(rows), self.cfg.batch_size):
             batch = collate(rows[start:start + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
-            if start not in kept:
-                kept[start] = predicted_hidden(target, batch)
-            target_logits = target.get_output_embeddings()(kept[start]).float()
+            target_logits = target.get_output_embeddings()(self.kept.hidden(target, batch)).float()
             logits = predicted_logits(student, batch).float()
             total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
             online = None if batch.topk_ids is not None else target_logits
@@ -248,6 +284,7 @@ class Distiller:
             raise ValueError(f"no training example has a response within distill.max_seq_len={cfg.max_seq_len} tokens")
         self.cfg, self.train_rows, self.eval_rows, self.work_dir, self.seed, self.log = cfg, train_rows, eval_rows, work_dir, seed, log
         self.objective, self.eos = objective, frozenset(eos)
+        objective.keep_target_states(train_rows)
         self.sampler = DraftSampler()
         self.pack = cfg.pack_sequences and objective.packs
         cpu = cpu or not torch.cuda.is_available()
@@ -323,39 +360,54 @@ class Distiller:
             self.log(0, history[-1])
         self.draft.train()
         train_seconds, tokens_at_start = 0.0, tokens  # optimizer steps only, not evaluation or checkpoints
-        loss_value = float("nan")
+        loss_value, reported_at = float("nan"), time.time()
+        pending: tuple[int, torch.Tensor, int, float] | None = None  # a step whose loss is read once the next is queued
         columns = [TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                    TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn()]
         with Progress(*columns, disable=not self.accelerator.is_main_process) as bar:
             task = bar.add_task("distill", total=cfg.max_steps, completed=step, loss=float("nan"))
+
+            def report(done: int, loss: torch.Tensor, step_tokens: int, lr: float) -> None:
+                """Read a step's loss (waiting for the device to finish it) and log it."""
+                nonlocal loss_value, reported_at
+                loss_value, now = loss.item(), time.time()
+                bar.update(task, loss=loss_value)
+                self.log(done, {"train_loss": loss_value, "lr": lr, "tokens_per_s": step_tokens / max(now - reported_at, 1e-9)})
+                reported_at = now
+
             while step < cfg.max_steps:
                 step_started, step_tokens = time.time(), tokens
-                step_loss = 0.0
+                step_loss = torch.zeros((), device=self.device)
                 micro = self._micro_batches(step)
                 for i, rows in enumerate(micro):
                     batch = collate(self._on_policy(rows, step, i), cfg.max_seq_len, self.device, pack=self.pack)
                     with self.accelerator.autocast():
                         loss = self.objective.loss(self.draft, self.target, batch) / len(micro)
                     self.accelerator.backward(loss)
-                    step_loss += loss.item()
+                    step_loss += loss.detach()
                     tokens += batch.num_targets * self.accelerator.num_processes
                 self.accelerator.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 step += 1
-                loss_value = step_loss
+                bar.update(task, completed=step)
+                if pending is not None:  # the last step's loss, read while this one runs: the host never waits idle
+                    report(*pending)
+                pending = (step, step_loss, tokens - step_tokens, self.scheduler.get_last_lr()[0])
+                evaluating = step % cfg.eval_every == 0 or step == cfg.max_steps
+                if evaluating:
+                    report(*pending)
+                    pending = None
                 train_seconds += time.time() - step_started
-                bar.update(task, completed=step, loss=loss_value)
-                self.log(step, {"train_loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
-                                "tokens_per_s": (tokens - step_tokens) / (time.time() - step_started)})
-                if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                if evaluating:
                     history.append({"step": step, "train_loss": loss_value, **self.evaluate()})
                     self.log(step, history[-1])
                     if self.accelerator.is_main_process:
                         checkpoint.save(self.work_dir, self.accelerator.unwrap_model(self.draft), self.optimizer,
                                         self.scheduler, {"step": step, "history": history, "tokens": tokens})
                     self.accelerator.wait_for_everyone()
+                    reported_at = time.time()
         return {"history": history, "train_tokens": tokens, "final_train_loss": loss_value,
                 "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0}
 

@@ -318,3 +318,62 @@ def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(t
     assert second["eval_tvd"] != first["eval_tvd"]
     expected = direct()
     assert second["eval_tvd"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny_models, tmp_path):
+    """distill.target_states_gib: the target's states at the training rows are kept from their first
+    forward, so later epochs run only its LM head; the draft takes the same steps as with the target run
+    on every step (budget 0). A row that was not registered (an on-policy continuation) and rows past the
+    budget still run the target."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.train import KeptStates, predicted_hidden
+
+    target_dir, draft_dir = tiny_models["llama"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    layer_calls = []
+    target.model.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
+    g = torch.Generator().manual_seed(5)
+    rows = [{"prompt_ids": torch.randint(3, 97, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
+             "response_ids": torch.randint(3, 97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(12)]
+    base = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
+                                               top_k_logits=0, batch_size=8),
+                         loss=DistillLoss.forward_kl, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
+                         max_steps=6, batch_size=4, grad_accum_steps=1, max_grad_norm=1.0, eval_every=6, max_seq_len=24)
+    runs = {}
+    for gib in (0.0, 1.0):
+        cfg = replace(base, target_states_gib=gib)
+        layer_calls.clear()
+        losses_seen = []
+        distiller = Distiller(cfg, AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), target,
+                              DraftObjective(cfg, online=True), rows, [], tmp_path / str(gib), seed=0, cpu=True,
+                              log=lambda step, m: losses_seen.append(m["train_loss"]) if "lr" in m else None)
+        distiller.train()
+        runs[gib] = (len(layer_calls), losses_seen,
+                     {n: p.detach().clone() for n, p in distiller.accelerator.unwrap_model(distiller.draft).named_parameters()})
+    assert runs[0.0][0] == 6  # 6 steps of 4 of the 12 rows: 2 epochs
+    assert runs[1.0][0] == 3  # the first epoch only
+    torch.testing.assert_close(runs[1.0][1], runs[0.0][1], rtol=1e-5, atol=1e-6)
+    assert runs[0.0][1][0] != runs[0.0][1][-1]  # it trained
+    for name, weight in runs[0.0][2].items():
+        torch.testing.assert_close(runs[1.0][2][name], weight, rtol=1e-4, atol=1e-5, msg=name)
+
+    # the store itself: a budget of one row's states keeps that row only; an unregistered row runs the target
+    first = collate(rows[:1], 24, torch.device("cpu"))
+    size = first.num_targets * target.config.hidden_size * 4
+    kept = KeptStates(size)
+    kept.keep(rows)
+    both = collate(rows[:2], 24, torch.device("cpu"), pack=True)  # packed longest first: labels in `sources` order
+    alone = predicted_hidden(target, first)
+    layer_calls.clear()
+    torch.testing.assert_close(kept.hidden(target, both), predicted_hidden(target, both))
+    assert list(kept.states) == [id(rows[0])] and kept.used == size
+    torch.testing.assert_close(kept.hidden(target, first), alone, rtol=1e-5, atol=1e-5)
+    assert len(layer_calls) == 2  # the direct call and the first batch: the kept row alone ran nothing
+    kept.hidden(target, collate(rows[1:2], 24, torch.device("cpu")))
+    stranger = collate([dict(rows[0])], 24, torch.device("cpu"))  # equal tokens, another row: not registered
+    kept.hidden(target, stranger)
+    assert len(layer_calls) == 4 and len(kept.states) == 1
