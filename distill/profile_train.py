@@ -8,7 +8,7 @@ The demo target (bf16) and a 4-layer draft built from it, as the gpu preset trai
 random tokens with the gpu preset's lengths (prompts of 30-90 tokens, responses of 60-256, mean ~160),
 since throughput does not depend on what the tokens are. Each run trains a fresh draft for --warmup
 steps, then --steps timed ones; tokens are response tokens, as the distill stage counts them. The warm-up
-steps make one pass over the rows and the timed steps repeat them, as the gpu preset's 1,000 steps make ~13
+steps make one pass over the rows and the timed steps repeat them, as the gpu preset's 6,000 steps make ~87
 passes over the teacher data: with kept states (distill.target_states_gib) the timed steps run only the
 target's LM head, which is the steady state of a run (its first pass runs the whole target).
 """
