@@ -31,6 +31,12 @@ class Observer(str, enum.Enum):
     mse = "mse"        # each group's range is clipped where the rounding error (MSE) is least
 
 
+class Rounding(str, enum.Enum):
+    nearest = "nearest"  # each weight to its nearest int4 level
+    gptq = "gptq"        # column by column, each rounding's error on the calibration activations spread over the
+                         # columns not yet rounded (GPTQ)
+
+
 class Device(str, enum.Enum):
     auto = "auto"
     cpu = "cpu"
@@ -139,6 +145,7 @@ class QuantizeConfig:
     ignore: list[str] = field(default_factory=list)
     calibration_dtype: Dtype = Dtype.float32  # the draft's dtype while AWQ searches its scales
     observer: Observer = Observer.mse  # how each weight group's int4 range is set after AWQ's scaling
+    rounding: Rounding = Rounding.nearest  # how the weights are rounded into that range
 
 
 @dataclass

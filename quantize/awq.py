@@ -110,14 +110,16 @@ def awq_mappings(num_layers: int, ignore: Sequence[str]) -> list:
 
 def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: list[list[int]], *, bits: int,
                  group_size: int | None, ignore: Sequence[str], calibration_dtype: str = "float32",
-                 observer: str = "mse") -> dict:
+                 observer: str = "mse", rounding: str = "nearest") -> dict:
     """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors), searching the scales with
     the draft in `calibration_dtype`, each weight group's range then set by `observer` (llm-compressor's:
-    "minmax", or "mse", which clips the range where the rounding error is least); return what was done."""
+    "minmax", or "mse", which clips the range where the rounding error is least) and its weights rounded by
+    `rounding` ("nearest", or "gptq": llm-compressor's GPTQ on the same calibration data); return what was done."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
     from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,13 +135,14 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
     dataset = Dataset.from_list([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration])
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group,
                                observer=observer)
+    rounder = GPTQModifier if rounding == "gptq" else QuantizationModifier
     recipe = [AWQModifier(duo_scaling=True, mappings=awq_mappings(config["num_hidden_layers"], ignore)),
-              QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-                                   ignore=list(ignore))]
+              rounder(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}, ignore=list(ignore))]
     oneshot(model=model, processor=AutoTokenizer.from_pretrained(draft_dir), dataset=dataset, recipe=recipe,
             num_calibration_samples=len(calibration), max_seq_length=max(len(ids) for ids in calibration),
             shuffle_calibration_samples=False)
     model.save_pretrained(out_dir, save_compressed=True)
     ship_in_bf16(out_dir)
     return {"bits": bits, "group_size": group, "ignore": list(ignore), "scheme": f"W{bits}A16 asymmetric",
-            "num_calibration_samples": len(calibration), "calibration_dtype": calibration_dtype, "observer": observer}
+            "num_calibration_samples": len(calibration), "calibration_dtype": calibration_dtype, "observer": observer,
+            "rounding": rounding}

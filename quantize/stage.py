@@ -84,7 +84,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     started = time.perf_counter()
     calibration = calibration_samples(rows, q.num_calibration_samples, q.calibration_max_length, cfg.seed)
     done = quantize_awq(dense_dir, target_dir, out / "draft", calibration, bits=q.bits, group_size=q.group_size,
-                        ignore=q.ignore, calibration_dtype=q.calibration_dtype.value, observer=q.observer.value)
+                        ignore=q.ignore, calibration_dtype=q.calibration_dtype.value, observer=q.observer.value,
+                        rounding=q.rounding.value)
     adopt_target_tokenizer(target_dir, out / "draft")  # copies the tokenizer files and checks them again
     seconds = time.perf_counter() - started
 

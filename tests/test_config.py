@@ -23,7 +23,7 @@ def test_defaults_validate_to_typed_config():
 
 def test_gpu_preset_changes_budgets():
     cfg = validate(composed("preset=gpu"))
-    assert cfg.device.value == "cuda" and cfg.distill.max_steps == 1000 and cfg.distill.teacher.top_k_logits == 0
+    assert cfg.device.value == "cuda" and cfg.distill.max_steps == 6000 and cfg.distill.compile and cfg.distill.teacher.top_k_logits == 0
     assert not cfg.distill.freeze_embeddings
     assert cfg.evaluate.min_alpha == 0.55  # the production alert threshold, outside the demo
 

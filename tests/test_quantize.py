@@ -176,3 +176,33 @@ def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, tiny_draft
                 for name, model in (("minmax", minmax), ("mse", clipped)):
                     errors[name] += (model[at + linear + ".weight"] - smoothed).pow(2).sum().item()
     assert errors["mse"] < errors["minmax"], errors
+
+
+def test_gptq_rounding_follows_the_dense_draft_closer_than_rounding_to_nearest(w4a16, tiny_draft, tiny_chat_target,
+                                                                             tmp_path):
+    # quantize.rounding=gptq: after the same AWQ scales, GPTQ rounds column by column and makes up each rounding's
+    # error on the calibration activations with the columns not yet rounded, so the quantized draft's outputs on
+    # that data stay closer to the dense draft's than with each weight rounded to its nearest level
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.serve.compressed import dequantize
+    from draftsmith.serve.weights import read_config, read_safetensors
+
+    out, done = w4a16
+    assert done["rounding"] == "nearest"  # the default
+    gptq = tmp_path / "gptq"
+    assert quantize_awq(tiny_draft, tiny_chat_target, gptq, calibration(), bits=4, group_size=None,
+                        ignore=["lm_head"], rounding="gptq")["rounding"] == "gptq"
+    copy_tokenizer_files(tiny_chat_target, gptq)
+    nearest, rounded = (dequantize(read_safetensors(p), read_config(p)["quantization_config"], torch.float32) for p in (out, gptq))
+    norms = [name for name in nearest if name.endswith("layernorm.weight")]
+    assert norms and all(torch.equal(nearest[n], rounded[n]) for n in norms)  # the same AWQ scales
+    linears = [n for n in nearest if n.endswith("proj.weight")]
+    assert any(not torch.equal(nearest[n], rounded[n]) for n in linears)
+
+    tokens = torch.tensor(calibration())
+    logits = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
+    with torch.no_grad():
+        reference = logits(tiny_draft)
+        errors = {name: (logits(path) - reference).pow(2).mean().item() for name, path in (("nearest", out), ("gptq", gptq))}
+    assert errors["gptq"] < errors["nearest"], errors  # 0.29 against 0.35
