@@ -127,7 +127,8 @@ def bench_decode(
     plain_of = lambda r: [p for p in rows if p.method.startswith("plain") and ("batch" in p.method) == ("batch" in r.method)][-1]
     table = Table(title=f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {new_tokens} new tokens, greedy, "
                         f"median of {repeats} runs")
-    for column in ("method", "tok/s", "min-max", "ms/step", "steps", "tau", "alpha", "x HF", "x plain", "=plain"):
+    # kept: accepted / drafted at the row's K (vLLM's acceptance rate, which falls with K); alpha is its value at K = 1
+    for column in ("method", "tok/s", "min-max", "ms/step", "steps", "tau", "kept", "x HF", "x plain", "=plain"):
         table.add_column(column, justify="right" if column != "method" else "left")
     for r in rows:
         low, high = r.spread
