@@ -12,10 +12,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from draftsmith.distill.tokenizer import check_same_tokenizer, copy_tokenizer_files
 from draftsmith.serve.weights import read_config, read_safetensors
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -38,15 +37,6 @@ def chosen_layers(num_target_layers: int, num_layers: int, choice: str) -> list[
     spread = every_nth_layer(num_target_layers, num_layers)  # also checks num_layers
     return {"spread": spread, "first": list(range(num_layers)),
             "last": list(range(num_target_layers - num_layers, num_target_layers))}[choice]
-
-
-def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, dest / name)
-            copied.append(name)
-    return copied
 
 
 def build_from_target(target_dir: Path, out_dir: Path, layers: list[int]) -> Path:
@@ -94,8 +84,6 @@ def build_scratch(target_dir: Path, out_dir: Path, num_layers: int, seed: int) -
 
 def build_pretrained(source: Path, target_dir: Path, out_dir: Path) -> Path:
     """An existing small model as the draft; refused unless its tokenizer is the target's."""
-    from draftsmith.distill.tokenizer import check_same_tokenizer
-
     if not (source / "config.json").is_file():
         raise DraftError(f"draft.pretrained_path={source} is not an HF model dir (no config.json)")
     check_same_tokenizer(target_dir, source)

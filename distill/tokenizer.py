@@ -7,12 +7,24 @@ raises TokenizerMismatch naming what differs. Quantize and publish call it again
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
-from draftsmith.distill.draft import copy_tokenizer_files
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
 
 SAMPLE = "Hello! How do I dispute a $1,234.56 charge?\n\tÜber naïve café 🙂 <|im_start|>user 12345"
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
+    """Copy the tokenizer files `source` has into `dest`; return their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+            copied.append(name)
+    return copied
 
 
 class TokenizerMismatch(ValueError):

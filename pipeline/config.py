@@ -13,7 +13,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from draftsmith.quantize.awq import QuantizeError, check_bits
 
 
 class ConfigError(ValueError):
@@ -226,6 +225,19 @@ def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
 
 
+SUPPORTED_BITS = (4, 8)  # W4A16 and W8A16
+
+
+def bits_refusal(bits: int) -> str | None:
+    """Why quantize.bits=`bits` is refused (validation here, and quantize/awq.py for direct callers), or None."""
+    if bits < 4:
+        return (f"quantize.bits={bits}: fewer than 4 bits is refused: the draft's distribution drifts so far from the "
+                "target's that acceptance collapses; use 4 (W4A16) or 8")
+    if bits not in SUPPORTED_BITS:
+        return f"quantize.bits={bits}: supported are {SUPPORTED_BITS} (W4A16 and W8A16)"
+    return None
+
+
 def validate(cfg: DictConfig) -> DraftsmithConfig:
     """Check every value once and return the typed config; raise ConfigError naming the key."""
     try:
@@ -263,10 +275,8 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
            "a positive temperature when distill.teacher.extra_samples > 0 (else the samples repeat the greedy response)",
            d.teacher.sample_temperature)
     _check(typed.stop_after in (None, *STAGE_NAMES), "stop_after", f"null or one of {', '.join(STAGE_NAMES)}", typed.stop_after)
-    try:
-        check_bits(q.bits)
-    except QuantizeError as e:
-        raise ConfigError(str(e)) from None
+    if (refused := bits_refusal(q.bits)) is not None:
+        raise ConfigError(refused)
     _check(q.group_size in (None, 32, 64, 128), "quantize.group_size", "null (auto), 32, 64 or 128", q.group_size)
     for key in ("num_prompts", "batch_size", "max_new_tokens", "speed_repeats"):
         _check(getattr(e, key) >= 1, f"evaluate.{key}", "1 or more", getattr(e, key))

@@ -11,8 +11,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
+from draftsmith.pipeline.config import bits_refusal
+
 GROUP_SIZES = (128, 64, 32)  # largest first: fewer scales, and vLLM's kernels prefer 128
-SUPPORTED_BITS = (4, 8)
 
 
 class QuantizeError(ValueError):
@@ -20,11 +21,8 @@ class QuantizeError(ValueError):
 
 
 def check_bits(bits: int) -> None:
-    if bits < 4:
-        raise QuantizeError(f"quantize.bits={bits}: fewer than 4 bits is refused: the draft's distribution drifts "
-                            "so far from the target's that acceptance collapses; use 4 (W4A16) or 8")
-    if bits not in SUPPORTED_BITS:
-        raise QuantizeError(f"quantize.bits={bits}: supported are {SUPPORTED_BITS} (W4A16 and W8A16)")
+    if (refused := bits_refusal(bits)) is not None:
+        raise QuantizeError(refused)
 
 
 def _weights_digest(model_dir: Path) -> list[str]:

@@ -85,7 +85,7 @@ def demo_target_dir():
 def tiny_chat_target(demo_target_dir, tmp_path_factory):
     """A tiny random Llama on the demo target's tokenizer (vocab 49152): the pipeline's stages run on
     it in seconds, with a real chat template and special tokens."""
-    from draftsmith.distill.draft import copy_tokenizer_files
+    from draftsmith.distill.tokenizer import copy_tokenizer_files
 
     path = save_tiny_model(tmp_path_factory.mktemp("chat") / "target", "smollm2", seed=3, vocab_size=49152)
     copy_tokenizer_files(demo_target_dir, path)

@@ -56,7 +56,7 @@ def test_a_draft_with_other_special_token_ids_is_refused_naming_them(tiny_chat_t
 def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.draft import copy_tokenizer_files
+    from draftsmith.distill.tokenizer import copy_tokenizer_files
 
     small = save_tiny_model(tmp_path / "small", "smollm2", seed=8, vocab_size=49152, num_layers=1)
     copy_tokenizer_files(tiny_chat_target, small)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draftsmith.distill.draft import copy_tokenizer_files
+from draftsmith.distill.tokenizer import copy_tokenizer_files
 from draftsmith.distill.tokenizer import check_same_tokenizer
 from draftsmith.quantize.awq import QuantizeError, choose_group_size, quantize_awq
 from draftsmith.serve.compressed import unpack_int32

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from draftsmith.distill.draft import copy_tokenizer_files
+from draftsmith.distill.tokenizer import copy_tokenizer_files
 from draftsmith.serve.engine import Engine
 from draftsmith.distill.data import heldout_messages
 from draftsmith.evaluate.bench_serve import run_level

@@ -10,7 +10,7 @@ from draftsmith.distill.heldout import compare_drafts
 from draftsmith.distill.teacher import load_teacher
 from draftsmith.quantize.awq import quantize_awq
 from draftsmith.quantize.stage import calibration_samples, size_mb, tensor_sizes
-from draftsmith.distill.draft import copy_tokenizer_files
+from draftsmith.distill.tokenizer import copy_tokenizer_files
 
 runs = Path("/root/draftsmith-gpu/runs")
 newest = lambda pattern: Path(max(glob.glob(str(runs / pattern)), key=os.path.getmtime))
