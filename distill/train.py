@@ -134,10 +134,12 @@ class KeptStates:
     held-out split), kept on the device from the first forward over each row: the target does not train, so a
     row's states never change, and later batches of it run only the target's LM head. Rows are known by
     identity and must be registered (`keep`); a batch holding any other row (an on-policy continuation) runs
-    the target. At most `budget_bytes` are kept; rows beyond that run the target every time."""
+    the target. At most `budget_bytes` are kept, and on a GPU at most a quarter of the memory free at the first
+    forward (room for training's own peak); rows beyond that run the target every time."""
 
     def __init__(self, budget_bytes: float):
         self.budget, self.used = budget_bytes, 0
+        self.capped = False  # the budget has been set against the device's free memory
         self.registered: dict[int, dict] = {}  # id -> row, which also keeps the row (and so its id) alive
         self.states: dict[int, torch.Tensor] = {}
 
@@ -152,6 +154,8 @@ class KeptStates:
         if keys and all(key in self.states for key in keys):
             return torch.cat([self.states[key] for key in keys])
         hidden = predicted_hidden(target, batch)
+        if not self.capped and hidden.is_cuda:
+            self.budget, self.capped = min(self.budget, torch.cuda.mem_get_info(hidden.device)[0] / 4), True
         for key, part in zip(keys, hidden.split(list(batch.counts))):
             size = part.numel() * part.element_size()
             if key in self.registered and key not in self.states and self.used + size <= self.budget:
