@@ -14,7 +14,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
-
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and what is allowed."""
 
