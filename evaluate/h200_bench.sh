@@ -15,7 +15,8 @@
 #   bash evaluate/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 # Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT. LIMIT (seconds, 570)
 # bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest (the gpu
-# preset's pipeline takes ~530 s on a fresh machine: the teacher ~50 s, 6,000 compiled steps ~380 s). STEPS: the
+# preset's pipeline takes ~590 s on a fresh machine: the teacher ~67 s, 8,000 compiled steps ~400 s, so there the
+# first call stops in the evaluate stage and a second finishes it in ~80 s). STEPS: the
 # EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).

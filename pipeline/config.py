@@ -143,7 +143,7 @@ class QuantizeConfig:
     ignore: list[str] = field(default_factory=list)
     calibration_dtype: Dtype = Dtype.float32  # the draft's dtype while AWQ searches its scales
     observer: Observer = Observer.mse  # how each weight group's int4 range is set after AWQ's scaling
-    rounding: Rounding = Rounding.nearest  # how the weights are rounded into that range
+    rounding: Rounding = Rounding.gptq  # how the weights are rounded into that range
 
 
 @dataclass

@@ -108,11 +108,11 @@ def awq_mappings(num_layers: int, ignore: Sequence[str]) -> list:
 
 def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: list[list[int]], *, bits: int,
                  group_size: int | None, ignore: Sequence[str], calibration_dtype: str = "float32",
-                 observer: str = "mse", rounding: str = "nearest") -> dict:
+                 observer: str = "mse", rounding: str = "gptq") -> dict:
     """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors), searching the scales with
     the draft in `calibration_dtype`, each weight group's range then set by `observer` (llm-compressor's:
     "minmax", or "mse", which clips the range where the rounding error is least) and its weights rounded by
-    `rounding` ("nearest", or "gptq": llm-compressor's GPTQ on the same calibration data); return what was done."""
+    `rounding` ("gptq": llm-compressor's GPTQ on the same calibration data, or "nearest"); return what was done."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset

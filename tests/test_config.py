@@ -19,12 +19,13 @@ def test_defaults_validate_to_typed_config():
     assert cfg.evaluate.min_alpha == 0.1 and cfg.evaluate.max_tau_loss == 0.03  # the demo's own alpha gate
     assert cfg.distill.max_steps == 200 and cfg.distill.teacher.top_k_logits == 64  # preset=demo is the default
     assert cfg.distill.freeze_embeddings and cfg.data.max_prompts == 600
+    assert cfg.quantize.rounding.value == "gptq"
 
 
 def test_gpu_preset_changes_budgets():
     cfg = validate(composed("preset=gpu"))
-    assert cfg.device.value == "cuda" and cfg.distill.max_steps == 6000 and cfg.distill.compile and cfg.distill.teacher.top_k_logits == 0
-    assert not cfg.distill.freeze_embeddings
+    assert cfg.device.value == "cuda" and cfg.distill.max_steps == 8000 and cfg.distill.compile and cfg.distill.teacher.top_k_logits == 0
+    assert not cfg.distill.freeze_embeddings and cfg.distill.teacher.extra_samples == 15
     assert cfg.evaluate.min_alpha == 0.55  # the production alert threshold, outside the demo
 
 

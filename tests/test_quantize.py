@@ -35,6 +35,16 @@ def w4a16(tiny_draft, tiny_chat_target, tmp_path_factory):
     return out, done
 
 
+@pytest.fixture(scope="module")
+def nearest(tiny_draft, tiny_chat_target, tmp_path_factory):
+    """The same draft with each weight rounded to its nearest int4 level instead of by GPTQ (the default)."""
+    out = tmp_path_factory.mktemp("q") / "nearest"
+    quantize_awq(tiny_draft, tiny_chat_target, out, calibration(), bits=4, group_size=None, ignore=["lm_head"],
+                 rounding="nearest")
+    copy_tokenizer_files(tiny_chat_target, out)
+    return out
+
+
 def test_w4a16_checkpoint_is_compressed_tensors_with_the_target_tokenizer(w4a16, tiny_chat_target):
     from draftsmith.quantize.stage import tensor_sizes
 
@@ -151,19 +161,20 @@ def test_scales_are_searched_in_the_calibration_dtype(w4a16, tiny_draft, tiny_ch
     assert any(not torch.equal(ours[name], theirs[name]) for name in scales)
 
 
-def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, tiny_draft, tiny_chat_target, tmp_path):
+def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, nearest, tiny_draft, tiny_chat_target,
+                                                              tmp_path):
     # AWQ's scale search is the same either way (it rounds with min-max while searching), so both checkpoints
     # hold the same smoothed weights W * s (s folded out of the norm before each layer); the mse observer then
-    # clips each group's range where its rounding error is least, which min-max (no clipping) never beats
+    # clips each group's range where its rounding error is least, which min-max (no clipping) never beats when
+    # each weight is rounded to its nearest level (GPTQ trades weight error for output error)
     from draftsmith.serve.compressed import dequantize
     from draftsmith.serve.weights import read_config, read_safetensors
 
-    out, done = w4a16
-    assert done["observer"] == "mse"  # the default
+    assert w4a16[1]["observer"] == "mse"  # the default
     assert quantize_awq(tiny_draft, tiny_chat_target, tmp_path / "minmax", calibration(), bits=4, group_size=None,
-                        ignore=["lm_head"], observer="minmax")["observer"] == "minmax"
+                        ignore=["lm_head"], observer="minmax", rounding="nearest")["observer"] == "minmax"
     load = lambda path: dequantize(read_safetensors(path), read_config(path)["quantization_config"], torch.float32)
-    dense, minmax, clipped = read_safetensors(tiny_draft), load(tmp_path / "minmax"), load(out)
+    dense, minmax, clipped = read_safetensors(tiny_draft), load(tmp_path / "minmax"), load(nearest)
     errors = {"minmax": 0.0, "mse": 0.0}
     for i in range(2):
         for norm, linears in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -178,31 +189,27 @@ def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, tiny_draft
     assert errors["mse"] < errors["minmax"], errors
 
 
-def test_gptq_rounding_follows_the_dense_draft_closer_than_rounding_to_nearest(w4a16, tiny_draft, tiny_chat_target,
-                                                                             tmp_path):
-    # quantize.rounding=gptq: after the same AWQ scales, GPTQ rounds column by column and makes up each rounding's
-    # error on the calibration activations with the columns not yet rounded, so the quantized draft's outputs on
-    # that data stay closer to the dense draft's than with each weight rounded to its nearest level
+def test_gptq_rounding_follows_the_dense_draft_closer_than_rounding_to_nearest(w4a16, nearest, tiny_draft):
+    # quantize.rounding=gptq (the default): after the same AWQ scales, GPTQ rounds column by column and makes up
+    # each rounding's error on the calibration activations with the columns not yet rounded, so the quantized
+    # draft's outputs on that data stay closer to the dense draft's than with each weight rounded to its nearest level
     from transformers import AutoModelForCausalLM
 
     from draftsmith.serve.compressed import dequantize
     from draftsmith.serve.weights import read_config, read_safetensors
 
-    out, done = w4a16
-    assert done["rounding"] == "nearest"  # the default
-    gptq = tmp_path / "gptq"
-    assert quantize_awq(tiny_draft, tiny_chat_target, gptq, calibration(), bits=4, group_size=None,
-                        ignore=["lm_head"], rounding="gptq")["rounding"] == "gptq"
-    copy_tokenizer_files(tiny_chat_target, gptq)
-    nearest, rounded = (dequantize(read_safetensors(p), read_config(p)["quantization_config"], torch.float32) for p in (out, gptq))
-    norms = [name for name in nearest if name.endswith("layernorm.weight")]
-    assert norms and all(torch.equal(nearest[n], rounded[n]) for n in norms)  # the same AWQ scales
-    linears = [n for n in nearest if n.endswith("proj.weight")]
-    assert any(not torch.equal(nearest[n], rounded[n]) for n in linears)
+    gptq, done = w4a16
+    assert done["rounding"] == "gptq"  # the default
+    to_nearest, rounded = (dequantize(read_safetensors(p), read_config(p)["quantization_config"], torch.float32)
+                           for p in (nearest, gptq))
+    norms = [name for name in to_nearest if name.endswith("layernorm.weight")]
+    assert norms and all(torch.equal(to_nearest[n], rounded[n]) for n in norms)  # the same AWQ scales
+    linears = [n for n in to_nearest if n.endswith("proj.weight")]
+    assert any(not torch.equal(to_nearest[n], rounded[n]) for n in linears)
 
     tokens = torch.tensor(calibration())
     logits = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
     with torch.no_grad():
         reference = logits(tiny_draft)
-        errors = {name: (logits(path) - reference).pow(2).mean().item() for name, path in (("nearest", out), ("gptq", gptq))}
+        errors = {name: (logits(path) - reference).pow(2).mean().item() for name, path in (("nearest", nearest), ("gptq", gptq))}
     assert errors["gptq"] < errors["nearest"], errors  # 0.29 against 0.35
