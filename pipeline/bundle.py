@@ -173,7 +173,19 @@ def _speculative_problems(bundle: Path, target_config: dict) -> list[str]:
         if vocab is not None and not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)
                                       and min(ids) >= 0 and max(ids) < target_config.get("vocab_size", 0)):
             problems.append(f"{VOCAB_FILE} must list token ids of the target's vocabulary")
-    return problems + _weights_problems(bundle / "draft", draft_config)
+    return problems + _ignore_problems(draft_config) + _weights_problems(bundle / "draft", draft_config)
+
+
+def _ignore_problems(draft_config: dict) -> list[str]:
+    """A quantized draft whose quantization_config.ignore names layers bare: vLLM builds the draft under a
+    prefix of its own, so such a name matches nothing there and vLLM expects that layer packed."""
+    ignore = (draft_config.get("quantization_config") or {}).get("ignore") or []
+    bare = [name for name in ignore if not name.startswith("re:") and name != "lm_head"]
+    if not bare:
+        return []
+    return [f"draft/config.json quantization_config.ignore names {len(bare)} layer(s) bare ({bare[0]!r}): vLLM builds the "
+            "draft under its own prefix, matches none of them and fails to load their dense weights; quantize again "
+            "with this draftsmith, which writes them as re: patterns"]
 
 
 def safetensors_header(path: Path) -> tuple[dict | None, str | None]:

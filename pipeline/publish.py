@@ -118,7 +118,7 @@ def link_or_copy(source: Path, dest: Path) -> None:
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
-    from draftsmith.evaluate.stage import with_gates
+    from draftsmith.evaluate.stage import EVAL_PROMPTS, with_gates
 
     evaluation = inputs["evaluate"]
     report = with_gates(cfg, evaluation)
@@ -154,6 +154,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     (bundle / "alerts.yml").write_text(alert_rules(cfg.evaluate.min_alpha, k))
     for name in PLOTS:
         shutil.copy2(evaluation.path / name, bundle / name)
+    if (evaluation.path / EVAL_PROMPTS).is_file():  # what vLLM decodes to check the bundle (make vllm-check)
+        shutil.copy2(evaluation.path / EVAL_PROMPTS, bundle / EVAL_PROMPTS)
     (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,
                                                  inputs["quantize"].metrics, reference.get("hub_id") or reference["name_or_path"], method))
     manifest = bundles.write_manifest(bundle)

@@ -1,22 +1,36 @@
-"""Does vLLM accept this bundle? Runs vLLM's own engine-argument and configuration code on it, on a CPU.
+"""vLLM itself judges a bundle: it loads the target with the bundle's draft and speculative config, decodes
+the bundle's held-out prompts greedily, and its own acceptance counters are compared with eval.json.
 
-    VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python pipeline/vllm_check.py BUNDLE TARGET_DIR
+    VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python pipeline/vllm_check.py BUNDLE TARGET [--tolerance 0.03] [--out FILE]
 
 `make vllm-check BUNDLE=...` runs it in a venv of its own (vLLM pins its own torch), after resolving the
-target the bundle names. It imports vLLM only, not draftsmith: it reads speculative_config.json, builds
-`vllm serve`'s EngineArgs (the target, the bundle's max_model_len, the speculative config with the draft's
-path) and asks vLLM for the engine config, which loads and checks the target's and the draft's configs
-(for an EAGLE-3 head: the speculators format, its verifier, its layer config), then builds the draft
-with vLLM's model class and loads its weights with vLLM's loader. Exit 0 and what vLLM resolved, or
-exit 1 and vLLM's own message.
+target the bundle names. It imports vLLM only, not draftsmith. vLLM runs as a user would run it:
+`LLM(model=TARGET, speculative_config=<speculative_config.json, model = the bundle's draft/>)`, greedy, on the
+token ids of eval_prompts.json with eval.json's max_new_tokens. Its counters (vllm:spec_decode_num_drafts,
+..._num_accepted_tokens_per_pos) give acceptance by position, accepted / drafted and the mean acceptance
+length, which must agree with eval.json's row of the shipped draft at the bundle's K and T = 0 within
+the tolerance, position by position.
+
+Exit 0: vLLM loaded and decoded the bundle and agrees; 1: vLLM refused the bundle (its own message follows)
+or its acceptance disagrees (both numbers follow); 2: the bundle lacks what the check needs, or usage.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
 import sys
-import tempfile
+import time
 from pathlib import Path
+
+TOLERANCE = 0.03  # per position: eval.json computes acceptance exactly from one teacher-forced pass; vLLM's
+# run differs only where float rounding flips a near-tie (bf16 on a CPU for a W4A16 draft) and at sequence ends
+PROMPTS = "eval_prompts.json"
+
+
+class Unusable(Exception):
+    """The bundle lacks what the check needs (exit 2)."""
 
 
 def max_model_len(bundle: Path) -> int | None:
@@ -25,52 +39,131 @@ def max_model_len(bundle: Path) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def load_draft(config) -> str:
-    """Build the draft with vLLM's model class and load its weights with vLLM's loader, on the CPU: where
-    a head's shapes disagree with its config or the target (a wrong target_hidden_size, say), this is
-    where vLLM says so. A quantized draft is not loaded: vLLM's CPU build has no kernel for its W4A16 layers."""
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.model_loader import get_model_loader
-
-    draft = config.speculative_config.draft_model_config
-    if getattr(draft.hf_config, "quantization_config", None):
-        return "weights not loaded (a quantized draft: no W4A16 kernel in vLLM on a CPU)"
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
-        initialize_model_parallel(1, 1)
-        loader = get_model_loader(config.load_config)
-        with torch.device("cpu"):
-            model = loader.create_model(vllm_config=config, model_config=draft)
-        loader.load_weights(model, draft)
-    return f"weights loaded into vLLM's {type(model).__name__}"
+def read(bundle: Path, name: str) -> dict:
+    if not (bundle / name).is_file():
+        hint = " (bundles published before eval_prompts.json existed: publish again)" if name == PROMPTS else ""
+        raise Unusable(f"{bundle} has no {name}{hint}")
+    return json.loads((bundle / name).read_text())
 
 
-def main() -> int:
-    if len(sys.argv) != 3:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
-        return 2
-    bundle, target = Path(sys.argv[1]).resolve(), sys.argv[2]
-    spec = json.loads((bundle / "speculative_config.json").read_text())
-    spec["model"] = str(bundle / "draft")  # the bundle's own draft, wherever the bundle is now
+def expected_row(report: dict, k: int) -> dict:
+    """eval.json's computed acceptance of the shipped draft at K and T = 0."""
+    for row in report["acceptance"]:
+        if row["proposer"] == report["shipped"] and row["temperature"] == 0.0 and row["k"] == k:
+            return row
+    raise Unusable(f"eval.json has no T=0 row of {report['shipped']!r} at K={k}")
+
+
+def dtype_of(draft: Path) -> tuple[str, str]:
+    """The dtype vLLM runs in, and why: vLLM's CPU kernels for W4A16 (compressed-tensors pack-quantized) take
+    bf16 activations only; otherwise float32, as the evaluate stage computed acceptance on a CPU."""
+    config = json.loads((draft / "config.json").read_text())
+    if config.get("quantization_config"):
+        return "bfloat16", "bfloat16: vLLM's CPU W4A16 kernels take bf16 activations only"
+    return "float32", "float32, as evaluate computed acceptance on a CPU"
+
+
+def spec_counters(metrics: list) -> dict:
+    """vLLM's speculative-decoding counters, summed over engines."""
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "per_position": []}
+    for metric in metrics:
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in out and name != "per_position":
+            out[name] += metric.value
+        elif name == "num_accepted_tokens_per_pos":
+            sums = out["per_position"] or [0] * len(metric.values)
+            out["per_position"] = [a + b for a, b in zip(sums, metric.values)]
+    return out
+
+
+def derived(counters: dict) -> dict:
+    """Acceptance by position, accepted / drafted and mean acceptance length (bonus token included)."""
+    drafts = counters["num_drafts"]
+    return {"acceptance_by_position": [a / drafts for a in counters["per_position"]] if drafts else [],
+            "acceptance_rate": counters["num_accepted_tokens"] / counters["num_draft_tokens"] if counters["num_draft_tokens"] else 0.0,
+            "tau": 1 + counters["num_accepted_tokens"] / drafts if drafts else 0.0}
+
+
+def disagreements(measured: dict, expected: dict, tolerance: float) -> list[str]:
+    """Where vLLM's acceptance and eval.json's differ by more than the tolerance, with both numbers."""
+    ours = expected["acceptance_by_position"]
+    theirs = measured["acceptance_by_position"]
+    if len(theirs) != len(ours):
+        return [f"vLLM counted {len(theirs)} draft positions, eval.json has {len(ours)}"]
+    return [f"position {i + 1}: vLLM {v:.4f}, eval.json {e:.4f} (difference {v - e:+.4f}, tolerance {tolerance})"
+            for i, (v, e) in enumerate(zip(theirs, ours)) if abs(v - e) > tolerance]
+
+
+def run_vllm(target: str, spec: dict, prompts: list[list[int]], max_new_tokens: int, max_len: int | None,
+             dtype: str) -> tuple[dict, float]:
+    """Generate greedily with vLLM; its speculative-decoding counters, and the seconds it took."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=max_len, seed=0,
+              disable_log_stats=False, trust_remote_code=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                 SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
+    return spec_counters(llm.get_metrics()), time.perf_counter() - started
+
+
+def check(bundle: Path, target: str, tolerance: float) -> dict:
+    spec = read(bundle, "speculative_config.json")
+    report = read(bundle, "eval.json")
+    prompts = read(bundle, PROMPTS)
+    k = spec["num_speculative_tokens"]
+    expected = expected_row(report, k)
+    spec = {**spec, "model": str(bundle / "draft")}  # the bundle's own draft, wherever the bundle is now
+    dtype, why = dtype_of(bundle / "draft")
+    counters, seconds = run_vllm(target, spec, prompts["prompt_token_ids"], prompts["max_new_tokens"],
+                                 max_model_len(bundle), dtype)
+    measured = derived(counters)
+    return {"bundle": str(bundle), "method": spec["method"], "k": k, "dtype": dtype, "dtype_why": why,
+            "num_prompts": len(prompts["prompt_token_ids"]), "seconds": round(seconds, 1), "counters": counters,
+            "vllm": measured, "eval_json": {key: expected[key] for key in ("acceptance_by_position", "alpha", "tau")},
+            "tolerance": tolerance, "disagreements": disagreements(measured, expected, tolerance)}
+
+
+def table(result: dict) -> str:
+    ours, theirs = result["eval_json"], result["vllm"]
+    row = lambda name, a: f"  {name:<10} " + "  ".join(f"{x:.4f}" for x in a)
+    return "\n".join([f"  acceptance by position (K={result['k']}, T=0, {result['num_prompts']} prompts, vLLM in {result['dtype']})",
+                      row("vLLM", theirs["acceptance_by_position"]), row("eval.json", ours["acceptance_by_position"]),
+                      f"  accepted/drafted: vLLM {theirs['acceptance_rate']:.4f}, eval.json {ours['alpha']:.4f}; "
+                      f"mean acceptance length: vLLM {theirs['tau']:.4f}, eval.json {ours['tau']:.4f}"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("bundle", type=Path)
+    parser.add_argument("target", help="the target's dir (or hub id) that the bundle speculates for")
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="per-position acceptance difference allowed")
+    parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    bundle = args.bundle.resolve()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its errors reach us whole
     try:
-        from vllm.engine.arg_utils import EngineArgs
+        import vllm  # noqa: F401
     except ImportError as e:
         print(f"vLLM does not import here ({e}): make vllm-check installs it in .venv-vllm", file=sys.stderr)
         return 2
     try:
-        config = EngineArgs(model=target, max_model_len=max_model_len(bundle), speculative_config=spec).create_engine_config()
-        loaded = load_draft(config)
+        result = check(bundle, args.target, args.tolerance)
+    except Unusable as e:
+        print(f"vllm-check: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 - vLLM's message is the answer
         print(f"vLLM refused the bundle {bundle}: {type(e).__name__}: {e}")
         return 1
-    s = config.speculative_config
-    print(f"vLLM accepts the bundle {bundle}: method {s.method}, num_speculative_tokens {s.num_speculative_tokens}, "
-          f"draft {s.draft_model_config.hf_config.architectures}, target {config.model_config.hf_config.architectures}, "
-          f"max_model_len {config.model_config.max_model_len}; {loaded}")
-    return 0
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    verdict = "disagrees with eval.json" if result["disagreements"] else "agrees with eval.json"
+    print(f"vLLM {vllm.__version__} loaded and decoded the bundle {bundle} (method {result['method']}, "
+          f"{result['seconds']:.0f} s); its acceptance {verdict}\n{table(result)}")
+    for line in result["disagreements"]:
+        print(f"  disagreement: {line}")
+    return 1 if result["disagreements"] else 0
 
 
 if __name__ == "__main__":

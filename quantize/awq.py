@@ -7,6 +7,7 @@ acceptance test itself. Only the draft, whose errors cost acceptance and never c
 from __future__ import annotations
 
 import json
+import re
 from importlib import metadata
 from pathlib import Path
 from typing import Sequence
@@ -86,6 +87,32 @@ def ship_in_bf16(model_dir: Path) -> None:
                       metadata={"format": "pt"})
 
 
+def portable_ignore(ignore: Sequence[str]) -> list[str]:
+    """quantization_config.ignore entries that match a module under whatever prefix a loader builds it.
+
+    llm-compressor writes the modules it left dense as transformers names them (`model.layers.0.mlp.down_proj`),
+    but vLLM builds a draft under a prefix of its own (`draft_model.`...), so a bare name matches nothing
+    there and vLLM expects that layer packed ("no module or parameter named 'layers.0.mlp.down_proj.weight'").
+    Each bare name becomes a pattern for the name as a dotted suffix, without transformers' leading
+    `model.`; patterns (`re:...`) stay as they are."""
+    out = []
+    for entry in ignore:
+        pattern = entry if entry.startswith("re:") else r"re:(.*\.)?" + re.escape(entry.removeprefix("model.")) + "$"
+        if pattern not in out:
+            out.append(pattern)
+    return out
+
+
+def make_ignore_portable(model_dir: Path) -> None:
+    """Rewrite the saved config.json's quantization_config.ignore with portable_ignore."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("ignore"):
+        quantization["ignore"] = portable_ignore(quantization["ignore"])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def awq_mappings(num_layers: int, ignore: Sequence[str]) -> list:
     """AWQ's smoothing pairs of a Llama-family decoder, layer by layer (llm-compressor's default pairs,
     by name), without the balance layers that `ignore` keeps unquantized: llm-compressor averages the
@@ -140,6 +167,7 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
             num_calibration_samples=len(calibration), max_seq_length=max(len(ids) for ids in calibration),
             shuffle_calibration_samples=False)
     model.save_pretrained(out_dir, save_compressed=True)
+    make_ignore_portable(out_dir)
     ship_in_bf16(out_dir)
     return {"bits": bits, "group_size": group, "ignore": list(ignore), "scheme": f"W{bits}A16 asymmetric",
             "num_calibration_samples": len(calibration), "calibration_dtype": calibration_dtype, "observer": observer,

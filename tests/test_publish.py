@@ -53,8 +53,12 @@ def test_published_bundle_verifies_and_is_the_registered_champion(published):
     spec = json.loads((bundle / "speculative_config.json").read_text())
     assert spec["method"] == "draft_model" and spec["model"] == "draft" and 1 <= spec["num_speculative_tokens"] <= 3
     assert json.loads((bundle / "draft" / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
-    for name in ("target.json", "serve.sh", "eval.json", "README.md", "manifest.json", "tau_vs_k.png"):
+    for name in ("target.json", "serve.sh", "eval.json", "README.md", "manifest.json", "tau_vs_k.png", "eval_prompts.json"):
         assert (bundle / name).is_file(), name
+    # what vLLM decodes in `make vllm-check`: the held-out prompts' token ids that eval.json measured
+    prompts, report = (json.loads((bundle / name).read_text()) for name in ("eval_prompts.json", "eval.json"))
+    assert len(prompts["prompt_token_ids"]) == report["eval_split"]["num_prompts"] > 0
+    assert prompts["max_new_tokens"] == report["eval_split"]["max_new_tokens"]
     assert "vllm serve" in (bundle / "serve.sh").read_text() and "draftsmith serve" in (bundle / "serve.sh").read_text()
     import yaml  # the bundle's alert rules fire below its own acceptance gate (0.0 in these tests)
 
@@ -291,6 +295,10 @@ def tampered(bundle: Path, how: str) -> None:
     elif how == "K=1000":
         spec = json.loads((bundle / "speculative_config.json").read_text())
         (bundle / "speculative_config.json").write_text(json.dumps({**spec, "num_speculative_tokens": 1000}))
+    elif how == "bare ignore":  # what llm-compressor writes, and vLLM cannot load
+        config = json.loads((draft / "config.json").read_text())
+        config["quantization_config"]["ignore"] = ["lm_head", "model.layers.0.mlp.down_proj"]
+        (draft / "config.json").write_text(json.dumps(config))
     elif how == "symlinked weights":
         real = bundle.parent / "elsewhere.safetensors"
         weights.rename(real)
@@ -308,6 +316,7 @@ def tampered(bundle: Path, how: str) -> None:
     ("layers", "draft tensor model.layers.1.input_layernorm.weight is missing (config.json has 5 layers)"),
     ("K=1000", "num_speculative_tokens=1000: at most 16"),
     ("symlinked weights", "draft/model.safetensors is a symbolic link"),
+    ("bare ignore", "quantization_config.ignore names 1 layer(s) bare ('model.layers.0.mlp.down_proj')"),
 ])
 def test_verify_refuses_a_broken_bundle_with_a_one_line_reason(bundle_copy, how, reason):
     tampered(bundle_copy, how)

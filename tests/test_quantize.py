@@ -213,3 +213,32 @@ def test_gptq_rounding_follows_the_dense_draft_closer_than_rounding_to_nearest(w
         reference = logits(tiny_draft)
         errors = {name: (logits(path) - reference).pow(2).mean().item() for name, path in (("nearest", nearest), ("gptq", gptq))}
     assert errors["gptq"] < errors["nearest"], errors  # 0.29 against 0.35
+
+
+def test_ignored_layers_match_under_any_prefix_a_loader_builds_the_draft_with(tiny_draft, tiny_chat_target, tmp_path):
+    """llm-compressor writes the layers it left dense by transformers' names (model.layers.0.mlp.down_proj);
+    vLLM builds a draft under its own prefix (draft_model.model.layers...), and a bare name there matched
+    nothing, so vLLM expected those layers packed and refused the bundle. Every entry is now a pattern."""
+    import re
+
+    from compressed_tensors.utils.match import match_name
+
+    out = tmp_path / "w4a16"
+    quantize_awq(tiny_draft, tiny_chat_target, out, calibration(), bits=4, group_size=None, ignore=["lm_head", "re:.*down_proj$"])
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert ignore and all(entry.startswith("re:") for entry in ignore), ignore
+    matches = lambda name: any(re.match(entry.removeprefix("re:"), name) for entry in ignore)
+    for prefix in ("", "model.", "draft_model.model.", "model.draft.model."):
+        assert matches(f"{prefix}layers.1.mlp.down_proj") and matches(f"{prefix.removesuffix('model.')}lm_head")
+        assert not matches(f"{prefix}layers.1.mlp.up_proj") and not matches(f"{prefix}layers.1.self_attn.q_proj")
+    assert any(match_name("model.layers.0.mlp.down_proj", entry) for entry in ignore)  # compressed-tensors' own matching
+    # and the dense layers are what both loaders find dense
+    dense, mixed = load_model(tiny_draft, torch.float32), load_model(out, torch.float32)
+    assert torch.equal(mixed.layers[1].feed_forward.w2.weight, dense.layers[1].feed_forward.w2.weight.bfloat16().float())
+
+
+def test_portable_ignore_keeps_patterns_and_anchors_names():
+    from draftsmith.quantize.awq import portable_ignore
+
+    assert portable_ignore(["re:.*self_attn.*", "model.layers.1.mlp.down_proj", "lm_head", "lm_head"]) == [
+        "re:.*self_attn.*", r"re:(.*\.)?layers\.1\.mlp\.down_proj$", r"re:(.*\.)?lm_head$"]
