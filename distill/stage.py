@@ -22,7 +22,8 @@ from draftsmith.distill.train import DraftObjective, Distiller
 from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
-from draftsmith.serve.engine import compute_dtype, eos_ids_of, pick_device
+from draftsmith.serve.device import compute_dtype, pick_device
+from draftsmith.serve.engine import eos_ids_of
 from draftsmith.serve.weights import WeightsError, check_fits, read_config
 
 log = logging.getLogger("draftsmith")

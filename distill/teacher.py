@@ -18,7 +18,8 @@ from draftsmith.distill.data import load_prompts
 from draftsmith.pipeline.config import DraftsmithConfig, TeacherConfig
 from draftsmith.pipeline.stage import Stage, StageOutput, process_rank
 from draftsmith.pipeline.target import load_reference
-from draftsmith.serve.engine import Engine, compute_dtype, eos_ids_of, pick_device
+from draftsmith.serve.device import compute_dtype, pick_device
+from draftsmith.serve.engine import Engine, eos_ids_of
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
 

@@ -183,7 +183,7 @@ class DraftObjective:
         head = getattr(student, "module", student).get_output_embeddings()  # under a data-parallel wrapper too
         if self.cfg.loss_chunk_size == 0 or head.bias is not None:
             return self._whole_loss(student, target, batch, needs_target)
-        with record_function("draft forward"):  # names in distill/profile_train.py --profile
+        with record_function("draft forward"):  # names in benchmarks/profile_train.py --profile
             hidden = predicted_hidden(student, batch)
         target_hidden = target_head = None
         if needs_target:

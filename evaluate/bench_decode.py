@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from draftsmith.serve.engine import DTYPES, Engine, eos_ids_of, load_draft
+from draftsmith.serve.device import DTYPES
+from draftsmith.serve.engine import Engine, eos_ids_of, load_draft
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Scheduler
 from draftsmith.serve.stats import SpecStats

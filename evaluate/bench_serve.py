@@ -115,7 +115,7 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
 
     from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.scheduler import Request
-    from draftsmith.serve.server import ChatRequest
+    from draftsmith.serve.protocol import ChatRequest
 
     ids = [server.prompt_ids(ChatRequest(messages=m))[0] for m in prompts]  # as the server tokenizes them
     params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
@@ -163,7 +163,8 @@ def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequenc
     import httpx
     import uvicorn
 
-    from draftsmith.serve.server import create_app, load_server
+    from draftsmith.pipeline.serving import load_server
+    from draftsmith.serve.server import create_app
 
     server = load_server(bundle, device, dtype, max_model_len, max_batch_size)
     with socket.socket() as probe:

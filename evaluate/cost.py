@@ -3,8 +3,8 @@
 A step of K drafts emits tau(K) tokens on average (computed exactly at T = 0, evaluate/acceptance.py) and
 costs one whole speculative step (the K proposals, the target over K+1 tokens, acceptance), timed on
 the device at the evaluation batch size; plain decoding emits one token per plain step. The predicted
-speedup is tau(K) x plain step / speculative step. Leviathan et al.'s expected length for a per-token
-acceptance alpha, (1 - alpha^(K+1)) / (1 - alpha), serves where only alpha is known (adaptive K).
+speedup is tau(K) x plain step / speculative step. (Where only alpha is known, adaptive K in the runtime
+uses serve.stats.expected_tokens.)
 """
 from __future__ import annotations
 
@@ -33,17 +33,6 @@ def time_forward(forward: Forward, batch_size: int, num_tokens: int, device: tor
             if i:  # the first call warms up (CUDA graph capture, compilation, caches)
                 times.append((time.perf_counter() - started) * 1000)
     return sorted(times)[len(times) // 2]
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Mean tokens a step of K drafts emits when each draft is kept with probability alpha."""
-    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def acceptance_rate(alpha: float, k: int) -> float:
-    """accepted / drafted at K (vLLM's acceptance-rate counters) when each draft is kept with probability
-    alpha: the accepted run averages tau - 1 of K drafts, so the rate falls with K at a fixed alpha."""
-    return (expected_tokens(alpha, k) - 1) / k
 
 
 def predicted_speedup(tau: float, plain_step_ms: float, step_ms: float) -> float:

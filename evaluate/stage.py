@@ -23,7 +23,8 @@ from draftsmith.pipeline.config import DraftsmithConfig, EvaluateConfig
 from draftsmith.pipeline.stage import Stage, StageOutput, read_record
 from draftsmith.pipeline.target import load_reference
 from draftsmith.quantize.stage import draft_dir_of
-from draftsmith.serve.engine import Engine, compute_dtype, detokenizer_of, eos_ids_of, load_draft, pick_device
+from draftsmith.serve.device import compute_dtype, pick_device
+from draftsmith.serve.engine import Engine, detokenizer_of, eos_ids_of, load_draft
 from draftsmith.serve.proposers import PromptLookup, read_vocab
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model

@@ -217,7 +217,8 @@ def serve(
     import uvicorn
 
     from draftsmith.pipeline.bundle import BundleError
-    from draftsmith.serve.server import BundleSourceError, create_app, load_server, resolve_bundle
+    from draftsmith.pipeline.serving import BundleSourceError, load_server, resolve_bundle
+    from draftsmith.serve.server import create_app
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('runs/demo/mlflow.db').resolve()}"
     try:

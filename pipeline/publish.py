@@ -95,14 +95,14 @@ def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: di
 def alert_rules(min_alpha: float, k: int) -> str:
     """The shipped Prometheus rules (serve/monitoring/alerts.yml) with the low-acceptance alert at this
     bundle's own gate: the served counters give accepted / drafted, which at K drafts per step is
-    acceptance_rate(alpha, K), so the alert fires below the rate of a draft at evaluate.min_alpha (under
+    expected_acceptance_rate(alpha, K), so the alert fires below the rate of a draft at evaluate.min_alpha (under
     adaptive K, steps with fewer drafts keep a larger share: the alert errs towards staying quiet)."""
     import re
     from importlib import resources
 
-    from draftsmith.evaluate.cost import acceptance_rate
+    from draftsmith.serve.stats import expected_acceptance_rate
 
-    rate = round(acceptance_rate(min_alpha, k), 4)
+    rate = round(expected_acceptance_rate(min_alpha, k), 4)
     text = (resources.files("draftsmith.serve") / "monitoring" / "alerts.yml").read_text()
     text = re.sub(r"(draftsmith:spec_decode_num_draft_tokens_total\[5m\]\)\)) < [0-9.]+", rf"\1 < {rate:g}", text, count=1)
     return text.replace("< 55% for 5 minutes", f"< {rate:.1%} for 5 minutes (alpha {min_alpha:g}, the bundle's "

@@ -12,7 +12,8 @@ class BundleModel(mlflow.pyfunc.PythonModel):
         from transformers import AutoTokenizer
 
         from draftsmith.pipeline.bundle import target_dir_of, verify
-        from draftsmith.serve.engine import Engine, compute_dtype, pick_device
+        from draftsmith.serve.device import compute_dtype, pick_device
+        from draftsmith.serve.engine import Engine
         from draftsmith.serve.proposers import read_vocab
 
         bundle = Path(context.artifacts["bundle"])

@@ -160,7 +160,7 @@ def hub_id_of(cfg: TargetConfig) -> str | None:
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
-    from draftsmith.serve.engine import compute_dtype, pick_device
+    from draftsmith.serve.device import compute_dtype, pick_device
     from draftsmith.serve.weights import check_fits
 
     path = resolve_target_dir(cfg.target)

@@ -22,7 +22,7 @@ from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
 from draftsmith.quantize.awq import quantize_awq
-from draftsmith.serve.engine import pick_device
+from draftsmith.serve.device import pick_device
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _TABLES = ("embed_tokens", "lm_head")  # kept in high precision; shown apart so the quantized part is visible

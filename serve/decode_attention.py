@@ -4,7 +4,7 @@ the slots each row has filled.
 torch's fused kernel takes the whole cache and a [B, 1, T, S] mask, so its cost follows the cache's size,
 not the rows' lengths, and over 2+ query tokens it ran a slow cuDNN kernel: on an H200 at batch 16 and
 401 slots, 36.7 us a layer for a K = 3 verification, 58% of the demo target's forward
-(evaluate/profile_step.py). This kernel gives each (row, KV head) one program that holds the head's G
+(benchmarks/profile_step.py). This kernel gives each (row, KV head) one program that holds the head's G
 query heads x T tokens as the rows of one tile and walks the cache in blocks up to the row's last
 position, with an online softmax (flash attention's recurrence) in float32.
 

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from draftsmith.serve.device import DTYPES
 from draftsmith.serve.eagle import EagleFormatError, EagleHead, check_fits, is_eagle_dir, load_head
 from draftsmith.serve.graphs import GraphedForward, GraphedPrefill, GraphedSteps
 from draftsmith.serve.model import Transformer
@@ -26,33 +27,6 @@ from draftsmith.serve.speculative import DecodeState, StepOutput, decode_step
 from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import Detokenize, StopChecker
 from draftsmith.serve.weights import load_model, read_config
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
-
-
-def pick_device(name: str = "auto") -> str:
-    """auto: the GPU when there is one."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise EngineError("device=cuda was asked for but torch sees no GPU (use device=auto or device=cpu)")
-    return name
-
-
-def compute_dtype(name: str, device: str) -> torch.dtype:
-    """The configured dtype on a GPU. On a CPU: bfloat16 if configured and the CPU multiplies in bf16
-    natively (on the 2-core EPYC of the demo, bf16 matmuls ran 2.5x float32's and the evaluate stage took
-    153 s against 229 s); float32 otherwise (float16, or bf16 emulated, is slow on a CPU)."""
-    dtype = DTYPES[name]
-    if device.startswith("cuda") or (dtype == torch.bfloat16 and cpu_has_bf16()):
-        return dtype
-    return torch.float32
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX)."""
-    return any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
 
 def load_draft(path: Path, dtype: torch.dtype, device: str | torch.device, vocab: Sequence[int] | None = None) -> Transformer | EagleHead:
     """A draft dir: an EAGLE-3 head (speculators format) or a draft model, proposing from `vocab` if given."""

@@ -19,13 +19,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from draftsmith.evaluate.cost import expected_tokens
 from draftsmith.serve.engine import Completion, Engine, EngineError, Launched, Logprobs
 from draftsmith.serve.graphs import bucket
 from draftsmith.serve.proposers import Proposer
 from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, SamplingParams, to_device
 from draftsmith.serve.speculative import DecodeState
-from draftsmith.serve.stats import SpecStats
+from draftsmith.serve.stats import SpecStats, expected_tokens
 from draftsmith.serve.stops import StopChecker
 
 log = logging.getLogger("draftsmith")

@@ -1,4 +1,17 @@
-"""Speculative-decoding counters, counted in one place; rates are derived from them."""
+"""Speculative-decoding counters, counted in one place, and the names every report, metric and table uses.
+
+Glossary (vLLM's terms; eval.json, /metrics, bench tables and the model card follow it):
+- a draft: one speculative step of one sequence, in which a proposer drafts K tokens (the draft tokens);
+- accepted tokens: the leading draft tokens the target keeps. The step then emits one token of the target's
+  own: the recovered token where a draft was refused, the bonus token when all K were kept;
+- alpha: the chance that the target keeps a draft token, given that it kept the ones before; measured as
+  the acceptance rate at K = 1, and what the evaluation gate (evaluate.min_alpha) reads;
+- acceptance_rate: accepted tokens / draft tokens at a given K (vLLM's acceptance rate). At K = 1 it is
+  alpha; for the same alpha it falls as K grows (expected_acceptance_rate);
+- tau: mean tokens emitted per step (vLLM's mean acceptance length, bonus token included) = 1 + accepted
+  tokens / drafts; for a per-token alpha, (1 - alpha^(K+1)) / (1 - alpha) (expected_tokens);
+- acceptance_by_position[i]: the fraction of drafts whose (i+1)-th draft token was accepted.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,7 +50,7 @@ class SpecStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """alpha: accepted draft tokens over drafted tokens."""
+        """Accepted draft tokens over draft tokens (alpha when K = 1)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
@@ -54,3 +67,15 @@ class SpecStats:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
                 "tau": self.tau, "acceptance_by_position": self.acceptance_by_position}
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """tau: mean tokens a step of K drafts emits when each draft is kept with probability alpha (Leviathan
+    et al.'s expected length)."""
+    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_acceptance_rate(alpha: float, k: int) -> float:
+    """accepted / drafted at K when each draft is kept with probability alpha: the accepted run averages
+    tau - 1 of K drafts, so the rate falls with K at a fixed alpha."""
+    return (expected_tokens(alpha, k) - 1) / k

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from draftsmith.evaluate.stage import gates
-from draftsmith.evaluate.cost import choose_k, expected_tokens, predicted_speedup
+from draftsmith.evaluate.cost import choose_k, predicted_speedup
+from draftsmith.serve.stats import expected_tokens
 from draftsmith.serve.stats import SpecStats
 
 DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
@@ -93,7 +94,7 @@ def test_the_alpha_gate_reads_k1_so_a_longer_k_that_pays_is_not_refused():
 def test_the_bundles_alert_fires_below_the_rate_of_its_gate_at_its_k():
     import yaml
 
-    from draftsmith.evaluate.cost import acceptance_rate, expected_tokens
+    from draftsmith.serve.stats import expected_acceptance_rate as acceptance_rate, expected_tokens
     from draftsmith.pipeline.publish import alert_rules
 
     assert acceptance_rate(0.55, 1) == pytest.approx(0.55) and acceptance_rate(0.0, 5) == 0.0

@@ -84,7 +84,7 @@ def test_folded_attention_equals_sdpa(heads, kv_heads, tokens):
 
 
 def test_the_compute_dtype_is_bf16_on_a_cpu_only_where_it_multiplies_in_bf16(monkeypatch):
-    from draftsmith.serve import engine
+    from draftsmith.serve import device as engine
 
     assert engine.compute_dtype("float16", "cuda") == torch.float16
     assert engine.compute_dtype("float32", "cpu") == engine.compute_dtype("float16", "cpu") == torch.float32

@@ -193,7 +193,7 @@ def test_a_sweep_registers_each_job_and_the_best_becomes_champion(tiny_chat_targ
 def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
     from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.scheduler import Request
-    from draftsmith.serve.server import BundleSourceError, load_server, resolve_bundle
+    from draftsmith.pipeline.serving import BundleSourceError, load_server, resolve_bundle
 
     tmp, bundle, _ = published
     from_registry = resolve_bundle("models:/draftsmith-draft@champion", f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
@@ -247,7 +247,7 @@ def moved_target(published, tmp_path) -> tuple[Path, Path]:
 
 
 def test_a_copied_bundle_verifies_and_serves_with_the_target_given_elsewhere(published, tmp_path):
-    from draftsmith.serve.server import load_server
+    from draftsmith.pipeline.serving import load_server
 
     bundle, target = moved_target(published, tmp_path)
     with pytest.raises(BundleError, match="is not a model dir .*pass the target with --target PATH_OR_HUB_ID"):

@@ -385,7 +385,7 @@ def test_incremental_detokenization_gives_the_whole_decode_in_any_bursts(tiny_ch
 
     from transformers import AutoTokenizer
 
-    from draftsmith.serve.server import Streamed
+    from draftsmith.serve.streaming import Streamed
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -2,7 +2,7 @@
 (attention by torch's kernels, then by the runtime's: serve/decode_attention.py), the heaviest
 kernels of the target's forward over 1 and over K+1 tokens a row, and of a whole step at K.
 
-    python3 -m draftsmith.evaluate.profile_step [--cache-dir DIR] [--draft DIR | --layers 4] [--k 2] [--batch 1]
+    python3 benchmarks/profile_step.py [--cache-dir DIR] [--draft DIR | --layers 4] [--k 2] [--batch 1]
 
 The draft defaults to `--layers` of the demo target's layers, spread (timing does not depend on its training).
 """

@@ -3,7 +3,7 @@
 320 slots (bench decode's 256 new tokens) and 2,056 (a server's 2,048-token context), all filled, for each way of
 attending: torch's fused kernel and the runtime's triton kernel (serve/decode_attention.py). Needs a GPU.
 
-    python3 -m draftsmith.evaluate.profile_attention [--cache-dir DIR] [--choices fused kernel]
+    python3 benchmarks/profile_attention.py [--cache-dir DIR] [--choices fused kernel]
 """
 from __future__ import annotations
 

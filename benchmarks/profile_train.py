@@ -2,7 +2,7 @@
 online, for the trainer's settings (the loss over the whole batch at once or in chunks, padded or packed
 rows, torch.compile), each run the same number of times in rounds, with the median and the spread.
 
-    python3 -m draftsmith.distill.profile_train [--cache-dir DIR] [--batch 128] [--steps 12] [--repeats 3]
+    python3 benchmarks/profile_train.py [--cache-dir DIR] [--batch 128] [--steps 12] [--repeats 3]
 
 The demo target (bf16) and a 4-layer draft built from it, as the gpu preset trains them; the rows are
 random tokens with the gpu preset's lengths (prompts of 30-90 tokens, responses of 60-256, mean ~160),

@@ -3,7 +3,7 @@
 K and with adaptive K, with the host time spent launching steps, handing out tokens (waiting for the
 device included) and admitting requests, the K chosen, and a cProfile of the adaptive run's host side.
 
-    python3 -m draftsmith.evaluate.profile_batch --draft BUNDLE/draft [--cache-dir DIR] [--batch 16] [--k 5]
+    python3 benchmarks/profile_batch.py --draft BUNDLE/draft [--cache-dir DIR] [--batch 16] [--k 5]
 """
 from __future__ import annotations
 

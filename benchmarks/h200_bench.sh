@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README's Benchmarks section, on the offline GPU machine, as calls of under
 # 10 minutes each (after `source .gpu/prelude.sh`, see ../shared/gpu/README.md), in this order:
-#   bash evaluate/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads)
-#   bash evaluate/h200_bench.sh train        distillation tokens/s by trainer setting (distill/profile_train.py)
-#   bash evaluate/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
-#   bash evaluate/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
-#   bash evaluate/h200_bench.sh pipeline [OVERRIDES]   the gpu preset's draft model as shipped, through evaluate
+#   bash benchmarks/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads)
+#   bash benchmarks/h200_bench.sh train        distillation tokens/s by trainer setting (benchmarks/profile_train.py)
+#   bash benchmarks/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
+#   bash benchmarks/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
+#   bash benchmarks/h200_bench.sh pipeline [OVERRIDES]   the gpu preset's draft model as shipped, through evaluate
 #                                            (a sweep when an override lists values: draft.num_layers=4,2)
-#   bash evaluate/h200_bench.sh shapes       the draft model's depth and layer choice by measured speed (two sweeps)
-#   bash evaluate/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
-#   bash evaluate/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
-#   bash evaluate/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine, 3 rounds
-#   bash evaluate/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
-#   bash evaluate/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
-# Outputs persist in /root/draftsmith-gpu while the machine stays up; results go to $OUT. LIMIT (seconds, 570)
+#   bash benchmarks/h200_bench.sh shapes       the draft model's depth and layer choice by measured speed (two sweeps)
+#   bash benchmarks/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
+#   bash benchmarks/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
+#   bash benchmarks/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine, 3 rounds
+#   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
+#   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
+# Settings (environment, with defaults): ROOT (/root/draftsmith-gpu), where runs and the target cache persist while
+# the machine stays up; OUT ($OUT, else /tmp/out), where results go; PORT (8011), the server's. LIMIT (seconds, 570)
 # bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest (the gpu
 # preset's pipeline takes ~590 s on a fresh machine: the teacher ~67 s, 8,000 compiled steps ~400 s, so there the
 # first call stops in the evaluate stage and a second finishes it in ~80 s). STEPS: the
@@ -24,13 +25,14 @@
 # `shapes` sweep, `spread4` its 4-layer spread draft and `shipped` the W4A16 drafts of the newest sweep's
 # jobs (`pipeline`), best first.
 set -euo pipefail
-root=/root/draftsmith-gpu
+root=${ROOT:-/root/draftsmith-gpu}
 out=${OUT:-/tmp/out}
+port=${PORT:-8011}
 mkdir -p "$out"
 cli=(python3 -m draftsmith.pipeline.cli)
 limit=${LIMIT:-570}
 newest() { ls -td $1 2>/dev/null | head -1; }
-get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8011$1').read().decode())"; }
+get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$port$1').read().decode())"; }
 common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs)
 # the EAGLE-3 head: 3 more sampled responses per training prompt, 64 sequences a step, STEPS steps
 steps=${STEPS:-2000}
@@ -53,7 +55,7 @@ tests)
   ;;
 train)  # further arguments go to profile_train (--variant, --batch, --profile)
   shift
-  python3 -m draftsmith.distill.profile_train --cache-dir $root/cache "$@"
+  python3 benchmarks/profile_train.py --cache-dir $root/cache "$@"
   ;;
 eagle)
   timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" stop_after=publish 2>&1 | tail -60 || true
@@ -115,7 +117,7 @@ print(rs[0]['outputs']['distill'] + '/draft')");;
     "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
   ;;
 serve)
-  "${cli[@]}" serve "$(bundle)" --device cuda --port 8011 > "$out/serve.log" 2>&1 &
+  "${cli[@]}" serve "$(bundle)" --device cuda --port "$port" > "$out/serve.log" 2>&1 &
   server=$!
   trap 'kill $server 2>/dev/null || true' EXIT
   for _ in $(seq 600); do
@@ -123,7 +125,7 @@ serve)
     kill -0 $server 2>/dev/null || { tail -20 "$out/serve.log"; exit 1; }
     sleep 1
   done
-  "${cli[@]}" bench serve --url http://127.0.0.1:8011 --concurrency 1 --concurrency 16 --duration 20 --out "$out/bench_serve.json"
+  "${cli[@]}" bench serve --url "http://127.0.0.1:$port" --concurrency 1 --concurrency 16 --duration 20 --out "$out/bench_serve.json"
   get /metrics | grep -E '^draftsmith.spec_decode' | head -20 || true
   ;;
 compare)
@@ -131,9 +133,9 @@ compare)
     --concurrency 1 --concurrency 16 --duration 15 --repeats 3 --out "$out/bench_serve_compare.json"
   ;;
 batch)
-  python3 -m draftsmith.evaluate.profile_batch --draft "$(bundle)/draft" --cache-dir $root/cache
+  python3 benchmarks/profile_batch.py --draft "$(bundle)/draft" --cache-dir $root/cache
   ;;
 attention)
-  python3 -m draftsmith.evaluate.profile_attention --cache-dir $root/cache
+  python3 benchmarks/profile_attention.py --cache-dir $root/cache
   ;;
 esac

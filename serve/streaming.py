@@ -1,0 +1,138 @@
+"""Streaming a reply as server-sent events in OpenAI's chunk format: each choice's text as its tokens are
+kept, never a piece that a stop string may still cut away, so streamed and whole replies say the same."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from draftsmith.serve.engine import Completion
+from draftsmith.serve.protocol import token_logprobs, token_usage
+from draftsmith.serve.scheduler import Request as EngineRequest
+
+if TYPE_CHECKING:
+    from draftsmith.serve.server import Server
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every chunk or body of one API response carries."""
+    chat: bool
+    id: str
+    created: int
+    started: float  # perf_counter at the request's arrival
+
+    @classmethod
+    def new(cls, chat: bool) -> "Reply":
+        return cls(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()), time.perf_counter())
+
+    @property
+    def kind(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+
+def settled(text: str, stops: tuple[str, ...]) -> str:
+    """What of a streamed text no stop string can still cut away: the text before any stop string, less
+    a tail that could begin one. Streaming only this makes stream and non-stream text equal."""
+    for stop in stops:
+        if (at := text.find(stop)) >= 0:
+            text = text[:at]
+    tail = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    return text[:len(text) - tail]
+
+
+
+@dataclass
+class Streamed:
+    """One choice of a stream: what it has received and what went out."""
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the tokens' text so far, less a last character still incomplete
+    decoded: int = 0  # tokens whose text is in `text`
+    window: int = 0  # where the last decode began: the text of tokens[window:decoded] is known
+    sent: str = ""  # text sent
+    logged: int = 0  # tokens whose log-probabilities were sent
+    first_at: float | None = None
+    last_burst: float = 0.0
+    step_s: float = 0.0  # a moving average of the time between bursts: the pacing budget
+
+    def extend(self, tokens: list[int], decode: Callable[[list[int]], str]) -> None:
+        """Take more tokens and their text, decoding only from the last decode's start (decoding the whole
+        response per burst cost its length in time; the overlap keeps spacing and merged bytes right)."""
+        self.tokens += tokens
+        known = decode(self.tokens[self.window:self.decoded])
+        both = decode(self.tokens[self.window:])
+        if len(both) > len(known) and not both.endswith("\ufffd"):  # no character cut in two
+            self.text += both[len(known):]
+            self.window, self.decoded = self.decoded, len(self.tokens)
+
+
+
+async def stream(server: "Server", reply: Reply, submitted: list[EngineRequest], updates: asyncio.Queue, prompt_tokens: int,
+                 include_usage: bool, echoes: list[str]) -> AsyncIterator[str]:
+    """SSE chunks of every choice as its tokens are kept (in groups of `smooth_stream`, evenly paced,
+    when set), with those tokens' log-probabilities when asked for, after its echoed prompt if any; a
+    client that goes away frees its rows at the scheduler's next step."""
+    chat, started = reply.chat, reply.started
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+    event = lambda body: "data: " + json.dumps({"id": reply.id, "object": chunk_kind, "created": reply.created,
+                                                "model": server.model_name, **body}) + "\n\n"
+
+    def chunk(index: int, delta: dict, finish: str | None = None) -> str:
+        request, choice = submitted[index], choices[index]
+        logprobs = None
+        if request.logprobs is not None:  # the entries of the tokens received since the last chunk
+            logprobs = token_logprobs(server.tokenizer, choice.tokens[choice.logged:],
+                                      request.logprobs.window(choice.logged, len(choice.tokens)), chat)
+            choice.logged = len(choice.tokens)
+        body = {"delta": delta} if chat else {"text": delta.get("content", "")}
+        return event({"choices": [{"index": index, "finish_reason": finish, "logprobs": logprobs, **body}]})
+
+    decode = lambda ids: server.tokenizer.decode(ids, skip_special_tokens=True)
+    choices = [Streamed(last_burst=started) for _ in submitted]
+    results: dict[int, Completion] = {}
+    try:
+        for index, echo in enumerate(echoes):
+            if chat or echo:
+                yield event({"choices": [{"index": index, "finish_reason": None, "logprobs": None,
+                                          **({"delta": {"role": "assistant", "content": ""}} if chat else {"text": echo})}]})
+        while len(results) < len(submitted):
+            index, item = await updates.get()
+            request, choice = submitted[index], choices[index]
+            if isinstance(item, tuple):
+                result = item[1]
+                if isinstance(result, BaseException):
+                    yield "data: " + json.dumps({"error": {"message": str(result), "type": "server_error"}}) + "\n\n"
+                    break
+                final = server.text_of(result)
+                yield chunk(index, {"content": final[len(choice.sent):]} if final.startswith(choice.sent) else {}, result.finish_reason)
+                server.metrics.observe_request(len(result.prompt_tokens), len(result.tokens), started, choice.first_at,
+                                               time.perf_counter())
+                results[index] = result
+                continue
+            now = time.perf_counter()
+            if choice.first_at is None:
+                choice.first_at = now
+                server.metrics.ttft.observe(now - started)
+            else:
+                gap = now - choice.last_burst
+                choice.step_s = 0.7 * choice.step_s + 0.3 * gap if choice.step_s else gap
+            choice.last_burst = now
+            group = server.smooth_stream or len(item)
+            groups = [item[i:i + group] for i in range(0, len(item), group)]
+            for j, part in enumerate(groups):
+                if j and updates.empty():  # pace the burst over the expected step time, never behind
+                    await asyncio.sleep(choice.step_s / len(groups))
+                choice.extend(part, decode)
+                text = settled(choice.text, request.params.stop)
+                if text.startswith(choice.sent) and len(text) > len(choice.sent):  # choice.text holds whole characters only
+                    yield chunk(index, {"content": text[len(choice.sent):]})
+                    choice.sent = text
+        if include_usage and len(results) == len(submitted):
+            yield event({"choices": [], "usage": token_usage(prompt_tokens, sum(len(r.tokens) for r in results.values()))})
+        yield "data: [DONE]\n\n"
+    finally:
+        for request in submitted:
+            request.cancelled.set()
