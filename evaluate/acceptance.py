@@ -87,7 +87,7 @@ class Computed:
     by_position: list[float]
 
     @property
-    def alpha(self) -> float:
+    def acceptance_rate(self) -> float:
         return self.accepted / (self.k * self.steps) if self.steps else 0.0
 
     @property
@@ -95,7 +95,7 @@ class Computed:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:
-        return {"proposer": self.proposer, "temperature": self.temperature, "k": self.k, "alpha": self.alpha,
+        return {"proposer": self.proposer, "temperature": self.temperature, "k": self.k, "acceptance_rate": self.acceptance_rate,
                 "tau": self.tau, "acceptance_by_position": [a / self.steps if self.steps else 0.0 for a in self.by_position],
                 "num_drafts": self.steps, "num_draft_tokens": self.k * self.steps, "num_accepted_tokens": self.accepted}
 
@@ -220,7 +220,7 @@ class Measurement:
 
     def as_dict(self) -> dict:
         return {"proposer": self.proposer, "temperature": self.temperature, "k": self.k,
-                "alpha": self.stats.acceptance_rate, "tau": self.stats.tau,
+                "acceptance_rate": self.stats.acceptance_rate, "tau": self.stats.tau,
                 "acceptance_by_position": self.stats.acceptance_by_position,
                 "num_drafts": self.stats.num_drafts, "num_draft_tokens": self.stats.num_draft_tokens,
                 "num_accepted_tokens": self.stats.num_accepted_tokens, "tokens": self.tokens,

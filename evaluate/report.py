@@ -1,10 +1,106 @@
-"""The evaluation report: eval.json (schema in the README), PNG plots and a markdown table."""
+"""The evaluation report: what the evaluate stage measured, typed (EvalReport), written as eval.json (the
+glossary of serve/stats.py names its fields), PNG plots and a markdown table."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from draftsmith.evaluate.acceptance import Computed, Measurement
 
 PLOTS = ("acceptance_by_position.png", "tau_vs_k.png", "speedup.png")
+FORMAT_VERSION = 3  # 3: rows' accepted / drafted is "acceptance_rate" (it was "alpha"); dynamic_k
+
+
+@dataclass
+class Speed:
+    """Whole-step costs and speeds at the evaluation batch size (milliseconds, tokens/s)."""
+    batch_size: int
+    plain_step_ms: float
+    step_ms: dict[str, dict[int, float]]  # proposer -> K -> ms
+    predicted_speedup: dict[str, dict[int, float]]  # proposer -> K -> x plain
+    measured_speedup: dict[str, dict[int, float]]  # the shipped draft -> its K -> x plain, from the engine runs
+    disturbed: bool  # the measured speedup came out above tau: the machine was busy with something else
+    runs_tokens_per_s: dict[str, list[float]]
+    plain_tokens_per_s: float
+    tokens_per_s: float
+
+    def as_json(self) -> dict:
+        by_k = lambda table: {name: {str(k): round(v, 4) for k, v in row.items()} for name, row in table.items()}
+        return {"batch_size": self.batch_size, "plain_step_ms": round(self.plain_step_ms, 4), "step_ms": by_k(self.step_ms),
+                "predicted_speedup": by_k(self.predicted_speedup), "measured_speedup": by_k(self.measured_speedup),
+                "disturbed": self.disturbed, "runs_tokens_per_s": {n: [round(v, 2) for v in r] for n, r in self.runs_tokens_per_s.items()},
+                "plain_tokens_per_s": round(self.plain_tokens_per_s, 2), "tokens_per_s": round(self.tokens_per_s, 2)}
+
+
+@dataclass
+class EvalReport:
+    device: str
+    dtype: str
+    eval_split: dict[str, Any]  # data fingerprint, held-out ids' sha256, num_prompts, max_new_tokens
+    temperatures: list[float]
+    seed: int
+    max_speculative_tokens: int
+    shipped: str  # the proposer publish ships
+    kind: str  # standalone or eagle3
+    proposers: dict[str, str]  # name -> where it came from
+    draft_vocab_size: int | None
+    acceptance: list[Computed]
+    engine: list[Measurement]  # plain decoding and the shipped draft at the chosen K
+    speed: Speed
+    num_speculative_tokens: int
+    why: str
+    dynamic_k: dict[str, Any]  # the K that pays at each batch size (evaluate.stage.k_by_batch_size)
+
+    def rows(self, proposer: str, temperature: float = 0.0) -> dict[int, Computed]:
+        return {r.k: r for r in self.acceptance if r.proposer == proposer and r.temperature == temperature}
+
+    def as_json(self) -> dict:
+        """eval.json."""
+        shipped, plain = self.engine[1], self.engine[0]
+        computed_tau = self.rows(self.shipped)[self.num_speculative_tokens].tau
+        dynamic = {key: ({str(b): ({str(k): round(v, 4) for k, v in row.items()} if isinstance(row, dict) else row)
+                          for b, row in value.items()} if isinstance(value, dict) else value) for key, value in self.dynamic_k.items()}
+        return {"format_version": FORMAT_VERSION, "device": self.device, "dtype": self.dtype, "eval_split": self.eval_split,
+                "temperatures": self.temperatures, "seed": self.seed, "max_speculative_tokens": self.max_speculative_tokens,
+                "shipped": self.shipped, "kind": self.kind, "proposers": self.proposers, "draft_vocab_size": self.draft_vocab_size,
+                "acceptance": [r.as_dict() for r in self.acceptance], "engine": [plain.as_dict(), shipped.as_dict()],
+                "cross_check": {"proposer": self.shipped, "k": self.num_speculative_tokens, "temperature": 0.0,
+                                "computed_tau": computed_tau, "measured_tau": shipped.stats.tau,
+                                "difference": shipped.stats.tau - computed_tau, "outputs_equal_plain": shipped.outputs == plain.outputs},
+                "speed": self.speed.as_json(), "num_speculative_tokens": self.num_speculative_tokens, "why": self.why,
+                "dynamic_k": dynamic}
+
+    def metrics(self) -> dict[str, Any]:
+        """The stage's metrics (stage.json, MLflow): alpha, the chosen K's tau and acceptance rate, tau at K = 5
+        of every proposer, the speedups."""
+        rows, k = self.rows(self.shipped), self.num_speculative_tokens
+        tau5 = {name: self.rows(name)[5].tau for name in self.proposers if self.max_speculative_tokens >= 5}
+        measured = self.engine[1].stats.tau
+        return {"num_speculative_tokens": k, "alpha": rows[1].acceptance_rate, "tau": rows[k].tau,
+                "acceptance_rate": rows[k].acceptance_rate, "shipped": self.shipped, "kind": self.kind,
+                **{f"tau_k5_{name}": v for name, v in tau5.items()},
+                "tau_k5_distilled_over_initial": tau5[self.shipped] / tau5["initial"] if tau5 else None,
+                "predicted_speedup": self.speed.predicted_speedup[self.shipped][k],
+                "measured_speedup": self.speed.measured_speedup[self.shipped][k],
+                "measured_tau": measured, "tau_difference": measured - rows[k].tau,
+                "k_schedule": json.dumps(self.dynamic_k["schedule"])}
+
+
+def upgraded(report: dict) -> dict:
+    """An eval.json of an earlier format in this one's names: rows' "alpha" (accepted / drafted at K) is
+    "acceptance_rate" since format 3, so a bundle written before still verifies, serves and registers."""
+    if report.get("format_version", 0) >= FORMAT_VERSION:
+        return report
+    rename = lambda row: {("acceptance_rate" if key == "alpha" else key): value for key, value in row.items()}
+    return {**report, "acceptance": [rename(r) for r in report.get("acceptance", [])],
+            "engine": [rename(r) for r in report.get("engine", [])]}
+
+
+def read_report(path: Path) -> dict:
+    """eval.json, in this format's names whatever format wrote it."""
+    return upgraded(json.loads(Path(path).read_text()))
 
 
 def rows_of(report: dict, proposer: str, temperature: float) -> dict[int, dict]:
@@ -82,7 +178,7 @@ def markdown(report: dict) -> str:
         for name in report["proposers"]:
             rows = rows_of(report, name, t)
             taus = " | ".join(f"{rows[k]['tau']:.3f}" if k in rows else "" for k in ks)
-            rate = lambda k: f"{rows[k]['alpha']:.3f}" if k in rows else ""
+            rate = lambda k: f"{rows[k]['acceptance_rate']:.3f}" if k in rows else ""
             lines.append(f"| {name} | {taus} | {rate(1)} | {rate(chosen_k)} |")
         lines.append("")
     k, check, speed = report["num_speculative_tokens"], report["cross_check"], report["speed"]
@@ -96,6 +192,10 @@ def markdown(report: dict) -> str:
               f"at batch {speed['batch_size']} on {report['device']}."
               + (" The measured speedup came out above tau, which bounds it (the machine was busy with something "
                  "else): the speedup reported is tau." if speed.get("disturbed") else ""), ""]
+    if dynamic := report.get("dynamic_k"):
+        best = ", ".join(f"{b}: K={k}" for b, k in dynamic["best_k"].items())
+        lines += [f"The K that pays by batch size (predicted from the step costs at each; 0: plain decoding): {best}. "
+                  f"vLLM's schedule (num_speculative_tokens_per_batch_size): {dynamic['schedule']}.", ""]
     if "gates" not in report:  # judged later, against the thresholds of the run that publishes
         return "\n".join(lines) + "\n"
     lines += ["| gate | threshold | value | passed |", "|---|---|---|---|"]

@@ -1,8 +1,12 @@
 """`draftsmith run`: the pipeline as a Hydra app (one job per run, one per combination with -m)."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
+import sys
+import time
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -20,7 +24,8 @@ from draftsmith.pipeline.target import load_reference
 from draftsmith.pipeline.tracking import JobRun, config_params, run_root, tracking_uri
 
 register_schema()
-console = Console()
+# a log or a pipe gets whole table cells: rich wraps at 80 columns when it sees no terminal
+console = Console(width=None if sys.stdout.isatty() else 200)
 log = logging.getLogger("draftsmith")  # Hydra sends it to the console and to the job's app.log
 
 
@@ -42,15 +47,22 @@ def _sweep_job_dir() -> Path | None:
     return Path(hc.runtime.output_dir) if hc and hc.mode == RunMode.MULTIRUN and process_rank()[0] == 0 else None
 
 
+def _status(output: StageOutput) -> str:
+    """ran, or cached with when it ran: a cached stage's seconds are those of the run that made it."""
+    if not output.cached:
+        return "ran"
+    started = output.record.get("started")
+    return f"cached (ran {time.strftime('%Y-%m-%d %H:%M', time.localtime(started))})" if started else "cached"
+
+
 def _summary(outputs: list[StageOutput], root) -> Table:
     table = Table(title=f"draftsmith run: {root}")
     for column in ("stage", "status", "seconds", "output", "metrics"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for out in outputs:
-        metrics = "\n".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={str(v)[:16]}"
+        metrics = "\n".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                              for k, v in out.metrics.items() if not isinstance(v, (list, dict)))
-        table.add_row(out.name, "cached" if out.cached else "ran", f"{out.record.get('seconds', 0):.1f}",
-                      out.path.name[:8], metrics)
+        table.add_row(out.name, _status(out), f"{out.record.get('seconds', 0):.1f}", out.path.name[:8], metrics)
     for name in PIPELINE[len(outputs):]:
         table.add_row(name, "[dim]skipped (stop_after)[/dim]", "", "", "")
     return table
@@ -60,8 +72,25 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM (a scheduler's stop) ends a job as Ctrl-C does: work kept, resumable
 
 
+def quiet_libraries() -> None:
+    """Our own progress bars and log lines only: the libraries' bars (transformers' weight loading, datasets'
+    saving, llm-compressor's AWQ grid search: hundreds of lines in a log) and llm-compressor's warnings, which
+    say nothing our user can act on ("No accelerator available!" on a CPU), are off; our stages report what
+    those steps did."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+    from loguru import logger
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    for library in ("llmcompressor", "compressed_tensors"):
+        logger.disable(library)
+
+
 def run_job(cfg: DictConfig) -> list[StageOutput]:
     """Validate, open the job's MLflow child run, run the stages, print the summary."""
+    quiet_libraries()
     try:
         typed = validate(cfg)
     except ConfigError as e:
@@ -78,8 +107,9 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
 
     def on_stage(output: StageOutput) -> None:
         done.append(output)
-        log.info("stage %s: %s in %.1f s (%s)", output.name, "cached" if output.cached else "ran",
-                 output.record.get("seconds", 0.0), output.path)
+        took = f"{output.record.get('seconds', 0.0):.1f} s"
+        log.info("stage %s: %s (%s)", output.name, f"{_status(output)}, took {took} then" if output.cached else f"ran in {took}",
+                 output.path)
         if job:
             job.log_stage(output.name, output.fingerprint, output.cached, output.metrics)
             for name in (STAGE_JSON, *STAGES[output.name].artifacts):
@@ -130,7 +160,8 @@ def _print_published(outputs: dict[str, StageOutput]) -> None:
     log.info("bundle: %s", bundle)
     log.info("alpha=%.4f (K=1) tau=%.4f num_speculative_tokens=%d measured speedup %.2fx quantization=%s", m["alpha"], m["tau"],
              m["num_speculative_tokens"], m["measured_speedup"], m["quantization"])
-    log.info("%s", vllm_command(bundle, target, m["method"], m["num_speculative_tokens"], m["max_model_len"]))
+    spec = json.loads((bundle / "speculative_config.json").read_text())
+    log.info("%s", vllm_command(bundle, target, spec, m["max_model_len"]))
     registered = outputs.get("registry")
     if registered and registered.metrics.get("registered"):
         r = registered.metrics

@@ -154,6 +154,7 @@ def _speculative_problems(bundle: Path, target_config: dict) -> list[str]:
     elif k > MAX_SPECULATIVE_TOKENS or (context and k + 2 > context):
         problems.append(f"speculative_config num_speculative_tokens={k}: at most {MAX_SPECULATIVE_TOKENS}, and a step of "
                         f"K + 1 tokens must leave room in the context ({context} tokens)")
+    problems += _schedule_problems(spec.get("num_speculative_tokens_per_batch_size"), k)
     if (bundle / str(spec.get("model", ""))).resolve() != (bundle / "draft").resolve():
         problems.append(f"speculative_config model {spec.get('model')!r} is not the bundle's draft/ dir")
     if method == EAGLE3:
@@ -174,6 +175,22 @@ def _speculative_problems(bundle: Path, target_config: dict) -> list[str]:
                                       and min(ids) >= 0 and max(ids) < target_config.get("vocab_size", 0)):
             problems.append(f"{VOCAB_FILE} must list token ids of the target's vocabulary")
     return problems + _ignore_problems(draft_config) + _weights_problems(bundle / "draft", draft_config)
+
+
+def _schedule_problems(schedule, k) -> list[str]:
+    """vLLM's dynamic speculation schedule, if any: [[first batch size, last, K], ...], the ranges in order
+    from batch size 1, each K from 0 (plain decoding) to num_speculative_tokens (vLLM caps it there)."""
+    if schedule is None:
+        return []
+    entries = schedule if isinstance(schedule, list) else []
+    valid = bool(entries) and all(isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+                                  for e in entries)
+    if valid:
+        ends = [0] + [e[1] for e in entries]
+        valid = entries[0][0] == 1 and all(e[0] == ends[i] + 1 and e[0] <= e[1] for i, e in enumerate(entries)) \
+            and all(0 <= e[2] <= (k if isinstance(k, int) else 0) for e in entries)
+    return [] if valid else [f"speculative_config num_speculative_tokens_per_batch_size={schedule!r}: vLLM reads "
+                             "[[first batch size, last, K], ...], ranges in order from 1, each K from 0 to num_speculative_tokens"]
 
 
 def _ignore_problems(draft_config: dict) -> list[str]:

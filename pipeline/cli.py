@@ -258,57 +258,79 @@ def bundle_verify(path: Path = typer.Argument(..., help="the bundle dir"),
 
 registry_app = typer.Typer(help="Registered bundles in the MLflow model registry.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
-URI_HELP = "MLflow tracking/registry URI; default: the embedded sqlite store of --root"
+URI_HELP = "MLflow tracking/registry URI; default: the config's (tracking.uri, else the sqlite store under paths.root)"
+NAME_HELP = "registered model name; default: the config's tracking.registry_name"
+OVERRIDES = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}, "options_metavar": "[OPTIONS] [KEY=VALUE ...]"}
 
 
-def _registry_uri(uri: str | None, root: str) -> str:
-    from draftsmith.pipeline.tracking import tracking_uri
+def _registry(ctx: typer.Context, uri: str | None, name: str | None) -> tuple[str, str]:
+    """(URI, model name) found the way `draftsmith run` finds them: --uri, else the config (with the KEY=VALUE
+    overrides given, as for run) names tracking.uri or the sqlite store under paths.root. A store that does not
+    exist is an error that says where it looked: nothing is created."""
+    from draftsmith.pipeline.config import ConfigError, composed
+    from draftsmith.pipeline.tracking import run_root
 
-    return tracking_uri(uri, root)
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = composed(*ctx.args)
+    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+        typer.echo(f"configuration error: {e}", err=True)
+        raise typer.Exit(2) from None
+    name = name or cfg.tracking.registry_name
+    if uri or cfg.tracking.uri:
+        return uri or cfg.tracking.uri, name
+    store = run_root(cfg.paths.root) / "mlflow.db"
+    if not store.is_file():
+        typer.echo(f"no registry at {store} (paths.root={cfg.paths.root} from the config, relative to {Path.cwd()}): run this "
+                   "where `draftsmith run` ran, or pass paths.root=DIR or --uri URI", err=True)
+        raise typer.Exit(1)
+    return f"sqlite:///{store}", name
 
 
-@registry_app.command("list")
-def registry_list(name: str = typer.Option("draftsmith-draft", help="registered model name"),
-                  uri: str = typer.Option(None, help=URI_HELP), root: str = typer.Option("runs/demo", help="run root")) -> None:
+@registry_app.command("list", **OVERRIDES)
+def registry_list(ctx: typer.Context, name: str = typer.Option(None, help=NAME_HELP), uri: str = typer.Option(None, help=URI_HELP)) -> None:
     """Every version with its kind, measured speedup, tau, alpha, K, quantization and why it was (not) promoted."""
     from rich.console import Console
     from rich.table import Table
 
     from draftsmith.pipeline.registry import list_versions
 
-    rows = list_versions(_registry_uri(uri, root), name)
-    table = Table(title=f"registry: {name}")
+    uri, name = _registry(ctx, uri, name)
+    rows = list_versions(uri, name)
+    table = Table(title=f"registry: {name} ({uri})")
     columns = ("version", "champion", "kind", "speedup", "tau", "alpha", "k", "quantization", "gates_passed", "reason")
     for column in columns:
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*(row[c] for c in columns))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
-@registry_app.command("promote")
-def registry_promote(version: str = typer.Argument(..., help="version to make champion"),
-                     name: str = typer.Option("draftsmith-draft", help="registered model name"),
-                     uri: str = typer.Option(None, help=URI_HELP), root: str = typer.Option("runs/demo", help="run root")) -> None:
+@registry_app.command("promote", **OVERRIDES)
+def registry_promote(ctx: typer.Context, version: str = typer.Argument(..., help="version to make champion"),
+                     name: str = typer.Option(None, help=NAME_HELP), uri: str = typer.Option(None, help=URI_HELP)) -> None:
     """Make VERSION the champion by hand (the one it replaces is remembered for rollback)."""
     from draftsmith.pipeline.registry import RegistryError, promote
 
+    uri, name = _registry(ctx, uri, name)
     try:
-        promote(_registry_uri(uri, root), name, version)
+        promote(uri, name, version)
     except RegistryError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{name}@champion -> version {version}")
 
 
-@registry_app.command("rollback")
-def registry_rollback(name: str = typer.Option("draftsmith-draft", help="registered model name"),
-                      uri: str = typer.Option(None, help=URI_HELP), root: str = typer.Option("runs/demo", help="run root")) -> None:
+@registry_app.command("rollback", **OVERRIDES)
+def registry_rollback(ctx: typer.Context, name: str = typer.Option(None, help=NAME_HELP), uri: str = typer.Option(None, help=URI_HELP)) -> None:
     """Point champion back at the version the current champion replaced."""
     from draftsmith.pipeline.registry import RegistryError, rollback
 
+    uri, name = _registry(ctx, uri, name)
     try:
-        version = rollback(_registry_uri(uri, root), name)
+        version = rollback(uri, name)
     except RegistryError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None

@@ -158,6 +158,7 @@ class EvaluateConfig:
     max_tau_loss: float = MISSING
     speed_repeats: int = MISSING  # engine runs of plain and of speculative decoding; the speedup is of the medians
     min_speedup: float = MISSING  # the registry promotes only versions measured faster than this x plain
+    dynamic_k_batch_sizes: list[int] = field(default_factory=list)  # where the K that pays is found (1 is always one)
 
 
 @dataclass
@@ -283,5 +284,7 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     _check(e.temperature > 0, "evaluate.temperature", "a positive number (T = 0 is always measured too)", e.temperature)
     _check(0.0 <= e.min_alpha <= 1.0, "evaluate.min_alpha", "a number in [0, 1]", e.min_alpha)
     _check(0.0 <= e.max_tau_loss <= 1.0, "evaluate.max_tau_loss", "a fraction in [0, 1]", e.max_tau_loss)
+    _check(all(1 <= b <= 1024 for b in e.dynamic_k_batch_sizes), "evaluate.dynamic_k_batch_sizes",
+           "batch sizes from 1 to 1024", e.dynamic_k_batch_sizes)
     _check(s.max_model_len >= 16, "serve.max_model_len", "16 or more", s.max_model_len)
     return typed

@@ -29,10 +29,19 @@ def bundle_of(output: StageOutput) -> Path:
     return output.path / BUNDLE_DIR
 
 
-def serve_script(target: str, method: str, k: int, max_model_len: int) -> str:
+def speculative_config(method: str, model: str, k: int, schedule: list[list[int]] | None) -> dict:
+    """speculative_config.json: what vLLM takes, with the K-by-batch-size schedule (vLLM's dynamic speculation,
+    num_speculative_tokens_per_batch_size) where it changes K at some batch size."""
+    spec = {"method": method, "model": model, "num_speculative_tokens": k}
+    if schedule and any(entry[2] != k for entry in schedule):
+        spec["num_speculative_tokens_per_batch_size"] = schedule
+    return spec
+
+
+def serve_script(target: str, spec: dict, max_model_len: int) -> str:
     """serve.sh: vLLM by default, draftsmith's own runtime with `./serve.sh draftsmith`; TARGET=... overrides
     where the target is (a dir or a hub id)."""
-    spec = json.dumps({"method": method, "model": "@BUNDLE@/draft", "num_speculative_tokens": k})
+    spec = json.dumps({**spec, "model": "@BUNDLE@/draft"})
     return "\n".join([
         "#!/usr/bin/env bash",
         "# Serve the target with this bundle's draft, lossless. Usage: [TARGET=dir-or-hub-id] ./serve.sh [vllm|draftsmith] [args...]",
@@ -49,17 +58,16 @@ def serve_script(target: str, method: str, k: int, max_model_len: int) -> str:
         "esac", ""])
 
 
-def vllm_command(bundle: Path, target: str, method: str, k: int, max_model_len: int) -> str:
-    spec = json.dumps({"method": method, "model": str(bundle / "draft"), "num_speculative_tokens": k})
+def vllm_command(bundle: Path, target: str, spec: dict, max_model_len: int) -> str:
+    spec = json.dumps({**spec, "model": str(bundle / "draft")})
     return f"vllm serve {shlex.quote(target)} --max-model-len {max_model_len} --speculative-config {shlex.quote(spec)}"
 
 
 def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: dict, quantize: dict, target: str,
-               method: str) -> str:
+               spec: dict) -> str:
     from draftsmith.evaluate.report import markdown
 
-    k = report["num_speculative_tokens"]
-    if method == bundles.EAGLE3:
+    if spec["method"] == bundles.EAGLE3:
         what = (f"An EAGLE-3 head ({cfg.draft.num_layers} decoder layer(s) on the target's hidden states, draft vocabulary "
                 f"{distill.get('draft_vocab_size')}, speculators format) trained by draftsmith from the target's logits "
                 f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens, training-time test over "
@@ -85,8 +93,7 @@ def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: di
                      f"({quantize['size_mb_bf16_without_embeddings']:.1f} / {quantize['size_mb_quantized_without_embeddings']:.1f} MB "
                      "without embeddings)")
     lines += ["", "## Serve", "", "```sh", "./serve.sh            # vLLM", "./serve.sh draftsmith # draftsmith's runtime",
-              f"# or: vllm serve {target} --speculative-config "
-              f"'{{\"method\": \"{method}\", \"model\": \"<bundle>/draft\", \"num_speculative_tokens\": {k}}}'",
+              f"# or: vllm serve {target} --speculative-config '{json.dumps({**spec, 'model': '<bundle>/draft'})}'",
               "```", "", "## Acceptance on held-out domain prompts", "", markdown(report), ""]
     lines += [f"![{name}]({name})" for name in PLOTS]
     return "\n".join(lines) + "\n"
@@ -144,11 +151,11 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     else:  # the hub id where there is one, else the path the target came from; TARGET=... overrides it
         target = reference.get("hub_id") or reference["path"]
     (bundle / bundles.TARGET_JSON).write_text(json.dumps(reference, indent=2))
-    (bundle / bundles.SPECULATIVE_CONFIG).write_text(json.dumps({"method": method, "model": "draft",
-                                                                 "num_speculative_tokens": k}, indent=2))
+    spec = speculative_config(method, "draft", k, report.get("dynamic_k", {}).get("schedule"))
+    (bundle / bundles.SPECULATIVE_CONFIG).write_text(json.dumps(spec, indent=2))
     draft_len = json.loads((bundle / "draft" / "config.json").read_text()).get("max_position_embeddings", 2048)
     max_model_len = min(cfg.serve.max_model_len, draft_len, reference.get("max_position_embeddings") or draft_len)
-    (bundle / "serve.sh").write_text(serve_script(target, method, k, max_model_len))
+    (bundle / "serve.sh").write_text(serve_script(target, spec, max_model_len))
     (bundle / "serve.sh").chmod(0o755)
     (bundle / "eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     (bundle / "alerts.yml").write_text(alert_rules(cfg.evaluate.min_alpha, k))
@@ -157,7 +164,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     if (evaluation.path / EVAL_PROMPTS).is_file():  # what vLLM decodes to check the bundle (make vllm-check)
         shutil.copy2(evaluation.path / EVAL_PROMPTS, bundle / EVAL_PROMPTS)
     (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,
-                                                 inputs["quantize"].metrics, reference.get("hub_id") or reference["name_or_path"], method))
+                                                 inputs["quantize"].metrics, reference.get("hub_id") or reference["name_or_path"], spec))
     manifest = bundles.write_manifest(bundle)
     bundles.verify(bundle)
     return {"num_speculative_tokens": k, "method": method, "alpha": evaluation.metrics["alpha"], "tau": evaluation.metrics["tau"],

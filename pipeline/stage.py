@@ -63,6 +63,7 @@ class Stage:
                                                        # run() (a function of the config: when it says so)
     check: Callable[[Any, "StageOutput"], None] | None = None  # run on the output, fresh or cached; raising fails the job
     artifacts: tuple[str, ...] = ()  # files of the output logged to MLflow
+    excluded_keys: tuple[str, ...] = ()  # dotted keys inside config_keys' sections that do not change the output
 
 
 def process_rank() -> tuple[int, int]:
@@ -115,6 +116,16 @@ def config_section(cfg: Any, key: str) -> Any:
     return cfg
 
 
+def stage_config(stage: Stage, cfg: Any) -> dict[str, Any]:
+    """The config sections that make the stage's fingerprint, less its excluded keys."""
+    config = {key: _jsonable(config_section(cfg, key)) for key in stage.config_keys}
+    for excluded in stage.excluded_keys:
+        section, _, name = excluded.rpartition(".")
+        if isinstance(config.get(section), dict):
+            config[section].pop(name, None)
+    return config
+
+
 def check_stage(stage: Stage, cfg: Any, output: StageOutput) -> None:
     """The stage's check on its output (a gate, say): a failure stops the pipeline after it."""
     if stage.check:
@@ -133,7 +144,7 @@ def run_stage(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], root: P
     raises leaves nothing. A lock file keeps two jobs of a sweep from building the same output at
     once: the second waits and reuses the first's.
     """
-    config = {key: config_section(cfg, key) for key in stage.config_keys}
+    config = stage_config(stage, cfg)
     identity = stage.identity(cfg) if stage.identity else {}
     fp = fingerprint(config, identity, {name: inputs[name].fingerprint for name in stage.inputs})
     final = root / stage.name / fp[:16]

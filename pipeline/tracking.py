@@ -169,9 +169,11 @@ class JobRun:
         from mlflow.entities import Metric, RunTag
 
         now = int(time.time() * 1000)
+        history = metrics.get("history", [])  # per-step curves, e.g. held-out TVD during training
+        curves = {k for point in history for k in point}  # a curve carries its final value: not logged twice at step 0
         numeric = [Metric(f"{name}.{k}", float(v), now, 0) for k, v in flatten(metrics)
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        for point in metrics.get("history", []):  # per-step curves, e.g. held-out TVD during training
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in curves]
+        for point in history:
             numeric += [Metric(f"{name}.{k}", float(v), now, int(point["step"])) for k, v in point.items()
                         if k != "step" and isinstance(v, (int, float))]
         tags = [RunTag(f"stage.{name}.fingerprint", fingerprint), RunTag(f"stage.{name}.cached", str(cached).lower())]

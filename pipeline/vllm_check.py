@@ -47,11 +47,25 @@ def read(bundle: Path, name: str) -> dict:
 
 
 def expected_row(report: dict, k: int) -> dict:
-    """eval.json's computed acceptance of the shipped draft at K and T = 0."""
+    """eval.json's computed acceptance of the shipped draft at K and T = 0 (accepted / drafted is the row's
+    "acceptance_rate", "alpha" before eval.json's format 3)."""
     for row in report["acceptance"]:
         if row["proposer"] == report["shipped"] and row["temperature"] == 0.0 and row["k"] == k:
-            return row
+            return {**row, "acceptance_rate": row.get("acceptance_rate", row.get("alpha"))}
     raise Unusable(f"eval.json has no T=0 row of {report['shipped']!r} at K={k}")
+
+
+def batch_and_k(spec: dict) -> tuple[int | None, int, str]:
+    """The most requests at once (vLLM's max_num_seqs) and the K they run at: with a K-by-batch-size schedule
+    (num_speculative_tokens_per_batch_size), the batch sizes of its first range, so that every step runs at one
+    K whose acceptance eval.json has; else vLLM's default and the bundle's K."""
+    k, schedule = spec["num_speculative_tokens"], spec.get("num_speculative_tokens_per_batch_size")
+    if not schedule:
+        return None, k, f"K={k} at every batch size"
+    first, last, k_first = schedule[0]
+    if k_first == 0:
+        raise Unusable(f"the schedule {schedule} turns speculation off from batch size {first} to {last}: no K to check there")
+    return last, min(k, k_first), f"the schedule {schedule} loaded; batches of at most {last} run at K={min(k, k_first)}"
 
 
 def dtype_of(draft: Path) -> tuple[str, str]:
@@ -95,14 +109,15 @@ def disagreements(measured: dict, expected: dict, tolerance: float) -> list[str]
 
 
 def run_vllm(target: str, spec: dict, prompts: list[list[int]], max_new_tokens: int, max_len: int | None,
-             dtype: str) -> tuple[dict, float]:
+             dtype: str, max_num_seqs: int | None) -> tuple[dict, float]:
     """Generate greedily with vLLM; its speculative-decoding counters, and the seconds it took."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
+    batch = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=max_len, seed=0,
-              disable_log_stats=False, trust_remote_code=False)
+              disable_log_stats=False, trust_remote_code=False, **batch)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                  SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
     return spec_counters(llm.get_metrics()), time.perf_counter() - started
@@ -112,25 +127,27 @@ def check(bundle: Path, target: str, tolerance: float) -> dict:
     spec = read(bundle, "speculative_config.json")
     report = read(bundle, "eval.json")
     prompts = read(bundle, PROMPTS)
-    k = spec["num_speculative_tokens"]
+    max_num_seqs, k, schedule = batch_and_k(spec)
     expected = expected_row(report, k)
     spec = {**spec, "model": str(bundle / "draft")}  # the bundle's own draft, wherever the bundle is now
     dtype, why = dtype_of(bundle / "draft")
     counters, seconds = run_vllm(target, spec, prompts["prompt_token_ids"], prompts["max_new_tokens"],
-                                 max_model_len(bundle), dtype)
+                                 max_model_len(bundle), dtype, max_num_seqs)
+    counters["per_position"] = counters["per_position"][:k]  # vLLM counts positions up to its K at start-up
     measured = derived(counters)
-    return {"bundle": str(bundle), "method": spec["method"], "k": k, "dtype": dtype, "dtype_why": why,
+    return {"bundle": str(bundle), "method": spec["method"], "k": k, "schedule": schedule, "dtype": dtype, "dtype_why": why,
             "num_prompts": len(prompts["prompt_token_ids"]), "seconds": round(seconds, 1), "counters": counters,
-            "vllm": measured, "eval_json": {key: expected[key] for key in ("acceptance_by_position", "alpha", "tau")},
+            "vllm": measured, "eval_json": {key: expected[key] for key in ("acceptance_by_position", "acceptance_rate", "tau")},
             "tolerance": tolerance, "disagreements": disagreements(measured, expected, tolerance)}
 
 
 def table(result: dict) -> str:
     ours, theirs = result["eval_json"], result["vllm"]
     row = lambda name, a: f"  {name:<10} " + "  ".join(f"{x:.4f}" for x in a)
-    return "\n".join([f"  acceptance by position (K={result['k']}, T=0, {result['num_prompts']} prompts, vLLM in {result['dtype']})",
+    return "\n".join([f"  acceptance by position (K={result['k']}, T=0, {result['num_prompts']} prompts, vLLM in {result['dtype_why']}; "
+                      f"{result['schedule']})",
                       row("vLLM", theirs["acceptance_by_position"]), row("eval.json", ours["acceptance_by_position"]),
-                      f"  accepted/drafted: vLLM {theirs['acceptance_rate']:.4f}, eval.json {ours['alpha']:.4f}; "
+                      f"  accepted/drafted: vLLM {theirs['acceptance_rate']:.4f}, eval.json {ours['acceptance_rate']:.4f}; "
                       f"mean acceptance length: vLLM {theirs['tau']:.4f}, eval.json {ours['tau']:.4f}"])
 
 

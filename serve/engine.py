@@ -20,6 +20,7 @@ from draftsmith.serve.device import DTYPES
 from draftsmith.serve.eagle import EagleFormatError, EagleHead, check_fits, is_eagle_dir, load_head
 from draftsmith.serve.graphs import GraphedForward, GraphedPrefill, GraphedSteps
 from draftsmith.serve.model import Transformer
+from draftsmith.serve.penalties import Penalties
 from draftsmith.serve.proposers import DraftModel, EagleProposer, Proposer
 from draftsmith.serve.rejection import Verifier, rejection_sample
 from draftsmith.serve.sampling import Random, RowSampling, SamplingParams, probabilities, sample, to_device
@@ -228,6 +229,8 @@ class Engine:
                 raise EngineError(f"prompt {i} is empty")
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+            if any(not 0 <= token < vocab for token, _ in p.logit_bias):
+                raise EngineError(f"prompt {i}: logit_bias names token ids outside the vocabulary [0, {vocab})")
             if len(prompt) + p.max_new_tokens + k + 1 > self.max_seq_len:
                 raise EngineError(f"prompt {i}: {len(prompt)} prompt tokens + {p.max_new_tokens} new tokens "
                                   f"+ {k + 1} speculative slots exceed max_seq_len {self.max_seq_len}")
@@ -249,7 +252,7 @@ class Engine:
             cache_rows = torch.arange(B, device=self.device)
         # last [B, V]: the logits after each prompt's last token; hidden states at every position [B, T, F]
         last, hidden = self.target_prefill(tokens, positions, lengths, cache_rows)
-        first = sample(probabilities(last.unsqueeze(1), rows), generator).squeeze(1)  # [B]
+        first = sample(probabilities(rows.penalised(last.unsqueeze(1)), rows), generator).squeeze(1)  # [B]
         draft_hidden = self.draft_proposer.prefill(tokens, positions, lengths, first, hidden, cache_rows) if self.draft_proposer else None
         previous = tokens.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
         return DecodeState(lengths=lengths, pending=first, previous=previous, draft_hidden=draft_hidden), last
@@ -267,12 +270,15 @@ class Engine:
         self.check(prompts, params, k, proposer)
         started = time.perf_counter()
         rows = RowSampling.of(params, self.device)
+        rows.penalties = Penalties.of(params, prompts, self.target.args.vocab_size, self.device)
         seed = params[0].seed
         generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         stops = [StopChecker(p, self.eos_token_ids, self.detokenize) for p in params]
         logprobs = [Logprobs.of(p) for p in params]
 
         state, first_logits = self.prefill(prompts, rows, generator)
+        if rows.penalties is not None:  # the first token is output: the steps' penalties count it
+            rows.penalties.record_first(state.pending)
         self.emit_first(state, first_logits, stops, logprobs, on_tokens)
         active_rows = [stop.finish_reason is None for stop in stops]
         active = to_device(active_rows, self.device)
@@ -304,7 +310,7 @@ class Engine:
         """One decoding step (K = 0: plain); the `active` rows of `state` advance in place. The output's
         tensors hold until the next step."""
         self.activate()
-        if self.step_graphs is not None and rows.all_greedy and (k == 0 or proposer is self.draft_proposer):
+        if self.step_graphs is not None and rows.all_greedy and rows.penalties is None and (k == 0 or proposer is self.draft_proposer):
             return self.step_graphs(state, active, k)
         return decode_step(self.target_forward, proposer, state, active, k, rows, generator, self.verify, histories)
 

@@ -55,10 +55,14 @@ def full_vocab_logits(logits: Tensor, vocab: Tensor | None, vocab_size: int) -> 
     return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, vocab, logits)
 
 
-def draw(logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSampling,
-         generator: Random) -> tuple[Tensor, Tensor | None]:
-    """One proposal per row from logits [B, 1, V'] over `vocab`: the tokens [B, 1] as target ids, and
-    the distributions [B, 1, V] they were drawn from (None if greedy)."""
+def draw(logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSampling, generator: Random,
+         drafts: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    """One proposal per row from logits [B, 1, V'] over `vocab`, after the step's `drafts` so far: the
+    tokens [B, 1] as target ids, and the distributions [B, 1, V] they were drawn from (None if greedy).
+    Penalties and logit bias apply as to the target's logits (serve/penalties.py)."""
+    if rows.penalties is not None:
+        logits = rows.penalised(full_vocab_logits(logits, vocab, vocab_size), torch.cat(drafts, dim=1) if drafts else None)
+        vocab = None
     if rows.all_greedy:
         best = greedy(logits)
         return (best if vocab is None else vocab[best]), None
@@ -80,7 +84,7 @@ class DraftModel:
         logits = self.forward(torch.stack([state.previous, state.pending], dim=1), torch.cat([positions - 1, positions], dim=1))
         tokens, probs = [], []
         for i in range(k):
-            token, q = draw(logits[:, -1:], self.model.vocab, self.vocab_size, rows, generator)
+            token, q = draw(logits[:, -1:], self.model.vocab, self.vocab_size, rows, generator, tokens)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
@@ -121,7 +125,7 @@ class EagleProposer:
         hidden = state.draft_hidden.unsqueeze(1)  # [B, 1, hidden]: the entry of position lengths - 1
         tokens, probs = [], []
         for i in range(k):
-            token, q = draw(self.head.logits(hidden), self.head.vocab, self.head.args.vocab_size, rows, generator)
+            token, q = draw(self.head.logits(hidden), self.head.vocab, self.head.args.vocab_size, rows, generator, tokens)
             tokens.append(token)
             if q is not None:
                 probs.append(q)

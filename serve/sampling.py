@@ -6,10 +6,14 @@ special case: a greedy draft token is accepted exactly when it equals the target
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from draftsmith.serve.penalties import Penalties
+    from draftsmith.serve.stops import StopStrings
 
 
 def to_device(data, device: torch.device | str) -> Tensor:
@@ -38,6 +42,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # the target's log-probability of each emitted token
     top_logprobs: int = 0  # and of its this-many most likely tokens at each position
+    # vLLM's penalties, applied to the target's and the draft's logits alike (serve/penalties.py)
+    presence_penalty: float = 0.0  # minus this for each token the output has (OpenAI's definition)
+    frequency_penalty: float = 0.0  # minus this times the count of each token in the output
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: divided by it if positive, else times it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+    # the stop strings' automaton (serve/stops.py), built once per request off the event loop; None: built when needed
+    stop_automaton: "StopStrings | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -52,6 +63,19 @@ class SamplingParams:
             raise SamplingError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.top_logprobs < 0:
             raise SamplingError(f"top_logprobs={self.top_logprobs} must be >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2.0:
+            raise SamplingError(f"repetition_penalty={self.repetition_penalty} must be in (0, 2] (1 turns it off)")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingError(f"logit_bias of token {token}: {bias} must be in [-100, 100]")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty or logit bias changes this request's distributions."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +93,12 @@ class RowSampling:
     needs_sort: bool = field(default=False)  # any row with top-p or top-k
     all_greedy: bool = field(default=False)  # argmax suffices: no distributions to build
     any_greedy: bool = field(default=True)  # some row's distribution is one-hot
+    penalties: "Penalties | None" = None  # logit bias and penalties, with each row's output so far (serve/penalties.py)
+
+    def penalised(self, logits: Tensor, drafts: Tensor | None = None) -> Tensor:
+        """The logits the rows' distributions are made from: with their penalties and logit bias, where
+        position t follows the output so far and the drafts before it (Penalties.apply)."""
+        return logits if self.penalties is None else self.penalties.apply(logits, drafts)
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":

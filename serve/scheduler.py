@@ -21,6 +21,7 @@ import torch
 
 from draftsmith.serve.engine import Completion, Engine, EngineError, Launched, Logprobs
 from draftsmith.serve.graphs import bucket
+from draftsmith.serve.penalties import Penalties
 from draftsmith.serve.proposers import Proposer
 from draftsmith.serve.sampling import Random, RowGenerators, RowSampling, SamplingParams, to_device
 from draftsmith.serve.speculative import DecodeState
@@ -84,6 +85,18 @@ class Running:
 
 
 @dataclass
+class Prefilled:
+    """Requests read into rows of the batch, ready to join it."""
+    requests: list[Request]
+    rows: list[int]
+    stops: list[StopChecker]
+    generators: dict[int, torch.Generator]  # by index into requests: those that gave a seed
+    state: DecodeState
+    last: torch.Tensor  # the target's logits after each prompt [B, V]
+    penalties: Penalties | None
+
+
+@dataclass
 class StepCostTable:
     """Milliseconds per whole greedy step on this device, by (batch size, K); K = 0 is a plain step."""
     step_ms: dict[tuple[int, int], float]
@@ -114,6 +127,7 @@ class Scheduler:
         self.plain_steps = 0
         self.wake = threading.Condition()
         self._sampling: tuple[tuple, RowSampling] | None = None
+        self.penalties: Penalties | None = None  # every row's, once a request with penalties has joined
         self._mask: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self.in_flight: tuple[Launched, list[Running | None]] | None = None  # launched, its tokens not yet handed out
 
@@ -292,7 +306,10 @@ class Scheduler:
         params = tuple(r.request.params if r is not None else IDLE for r in running)
         if self._sampling is None or self._sampling[0] != params:
             self._sampling = (params, RowSampling.of(list(params), self.engine.device))
-        return self._sampling[1]
+        rows = self._sampling[1]
+        # views of the batch's penalties (they count each step's output in place), where a row has any
+        rows.penalties = self.penalties.rows(len(running)) if any(p.penalised for p in params) else None
+        return rows
 
     def _admit(self) -> None:
         """Prefill waiting requests into free rows (lowest first), all of them in one forward, until the
@@ -315,29 +332,36 @@ class Scheduler:
                     prefilled.append(self._prefill([request], [row]))
                 except Exception as e:  # noqa: BLE001 - the request fails, the batch goes on
                     request.on_done(e)
-        for requests, rows, stops, generators, (state, last) in prefilled:
-            for request in requests:
+        for p in prefilled:
+            for request in p.requests:
                 request.logprobs = Logprobs.of(request.params)
-            self.engine.emit_first(state, last, stops, [r.logprobs for r in requests],
-                                   lambda i, tokens: requests[i].on_tokens(tokens))
-            for i, (request, row, stop) in enumerate(zip(requests, rows, stops)):
-                self.state.set_row(row, state, source=i)
-                self.rows[row] = Running(request, stop, Acceptance.prior(self.prior_alpha), generators.get(i))
+            self.engine.emit_first(p.state, p.last, p.stops, [r.logprobs for r in p.requests],
+                                   lambda i, tokens, requests=p.requests: requests[i].on_tokens(tokens))
+            if p.penalties is not None and self.penalties is None:
+                self.penalties = Penalties.none(len(self.rows), self.engine.target.args.vocab_size, self.engine.device)
+            for i, (request, row, stop) in enumerate(zip(p.requests, p.rows, p.stops)):
+                self.state.set_row(row, p.state, source=i)
+                if self.penalties is not None:  # a row without penalties is cleared of its last request's
+                    self.penalties.set_row(row, p.penalties if request.params.penalised else None, source=i)
+                self.rows[row] = Running(request, stop, Acceptance.prior(self.prior_alpha), p.generators.get(i))
                 if stop.finish_reason is not None:
                     self._finish(row)
 
-    def _prefill(self, requests: list[Request], rows: list[int]
-                 ) -> tuple[list[Request], list[int], list[StopChecker], dict[int, torch.Generator], tuple[DecodeState, torch.Tensor]]:
+    def _prefill(self, requests: list[Request], rows: list[int]) -> "Prefilled":
         """The requests prefilled into `rows`, with their stop checkers, their own generators (by index),
-        and the state with the target's last logits."""
+        the state with the target's last logits, and their penalties (the first token counted)."""
         stops = [StopChecker(r.params, self.engine.eos_token_ids, self.engine.detokenize) for r in requests]
         sampling = RowSampling.of([r.params for r in requests], self.engine.device)
+        sampling.penalties = Penalties.of([r.params for r in requests], [r.prompt for r in requests],
+                                          self.engine.target.args.vocab_size, self.engine.device)
         own = {i: torch.Generator(self.engine.device).manual_seed(r.params.seed) for i, r in enumerate(requests)
                if r.params.seed is not None}
         cache_rows = to_device(rows, self.engine.device)
-        prefilled = self.engine.prefill([r.prompt for r in requests], sampling, RowGenerators.of(self.generator, own),
-                                        cache_rows=cache_rows)
-        return requests, rows, stops, own, prefilled
+        state, last = self.engine.prefill([r.prompt for r in requests], sampling, RowGenerators.of(self.generator, own),
+                                          cache_rows=cache_rows)
+        if sampling.penalties is not None:
+            sampling.penalties.record_first(state.pending)
+        return Prefilled(requests, rows, stops, own, state, last, sampling.penalties)
 
     def _retire_cancelled(self) -> None:
         for i, r in enumerate(self.rows):

@@ -91,20 +91,22 @@ def speculative_step(target: TargetForward, proposer: "Proposer", state: DecodeS
     fed = torch.cat([state.pending.unsqueeze(1), draft_tokens], dim=1)  # [B, K+1]
     positions = state.lengths.unsqueeze(1) + torch.arange(k + 1, device=fed.device)  # [B, K+1]
     target_logits, hidden = target(fed, positions)  # [B, K+1, V]: all K+1 positions in one forward
+    scored = rows.penalised(target_logits, draft_tokens)  # position t after the step's first t drafts
     if draft_probs is None:  # greedy: keep drafts while they equal the target's argmax, which also
-        target_tokens = greedy(target_logits)  # gives the correction or bonus token  [B, K+1]
+        target_tokens = greedy(scored)  # gives the correction or bonus token  [B, K+1]
         num_accepted = (draft_tokens == target_tokens[:, :k]).int().cumprod(dim=1).sum(dim=1)
         return StepOutput(num_accepted, target_tokens, target_logits, hidden)
-    num_accepted, tokens = verify(draft_tokens, draft_probs, probabilities(target_logits, rows), generator)
+    num_accepted, tokens = verify(draft_tokens, draft_probs, probabilities(scored, rows), generator)
     return StepOutput(num_accepted, tokens, target_logits, hidden)
 
 
 def plain_step(target: TargetForward, state: DecodeState, rows: RowSampling, generator: Random) -> StepOutput:
     target_logits, hidden = target(state.pending.unsqueeze(1), state.lengths.unsqueeze(1))  # [B, 1, V]
+    scored = rows.penalised(target_logits)
     if rows.all_greedy:  # the one-hot distribution's sample is the argmax: skip building it
-        tokens = greedy(target_logits)  # [B, 1]
+        tokens = greedy(scored)  # [B, 1]
     else:
-        tokens = sample(probabilities(target_logits, rows), generator)
+        tokens = sample(probabilities(scored, rows), generator)
     return StepOutput(torch.zeros_like(state.lengths), tokens, target_logits, hidden)
 
 
@@ -117,6 +119,8 @@ def decode_step(target: TargetForward, proposer: "Proposer | None", state: Decod
     else:
         out = plain_step(target, state, rows, generator)
     draft_hidden = proposer.follow(state, out) if proposer is not None else None
+    if rows.penalties is not None:  # the kept tokens are output now: later positions are penalised for them
+        rows.penalties.record(out.tokens, out.num_accepted, active)
     state.advance(active, out.num_accepted, fed_tokens(state, out), out.tokens, draft_hidden)
     return out
 

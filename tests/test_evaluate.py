@@ -62,10 +62,10 @@ def test_replay_counts_steps_as_the_engine_does():
     assert steps == pytest.approx(1 + 0.5 + 0.5) and accepted == pytest.approx(0.75 * 2)
 
 
-def report(shipped: str, k: int, **alphas_taus) -> dict:
-    """proposer=((alpha, tau) at K = 1, (alpha, tau) at the chosen K)."""
-    rows = [{"proposer": name, "temperature": 0.0, "k": kk, "alpha": alpha, "tau": tau}
-            for name, by_k in alphas_taus.items() for kk, (alpha, tau) in zip((1, k), by_k)]
+def report(shipped: str, k: int, **rates_taus) -> dict:
+    """proposer=((acceptance rate, tau) at K = 1, (acceptance rate, tau) at the chosen K)."""
+    rows = [{"proposer": name, "temperature": 0.0, "k": kk, "acceptance_rate": rate, "tau": tau}
+            for name, by_k in rates_taus.items() for kk, (rate, tau) in zip((1, k), by_k)]
     return {"shipped": shipped, "num_speculative_tokens": k, "acceptance": rows}
 
 
@@ -145,8 +145,9 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
             ks = sorted(r["k"] for r in report["acceptance"] if r["proposer"] == name and r["temperature"] == t)
             assert ks == [1, 2, 3, 4, 5], (name, t)
     for row in report["acceptance"]:
-        assert 0.0 <= row["alpha"] <= 1.0 and 1.0 <= row["tau"] <= row["k"] + 1
-        assert row["tau"] == pytest.approx(1 + row["alpha"] * row["k"])  # tau = 1 + alpha K, by the counters' definitions
+        assert 0.0 <= row["acceptance_rate"] <= 1.0 and 1.0 <= row["tau"] <= row["k"] + 1
+        # tau = 1 + acceptance rate x K, by the counters' definitions (serve/stats.py)
+        assert row["tau"] == pytest.approx(1 + row["acceptance_rate"] * row["k"])
         assert len(row["acceptance_by_position"]) == row["k"]
     assert 1 <= report["num_speculative_tokens"] <= 5 and report["why"]
     # the engine at the chosen K: lossless (the same tokens as plain decoding) and the computed counters exact
@@ -165,12 +166,18 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
         assert (out / name).stat().st_size > 0
     assert "tau_k5_initial" in done.stdout and "tau_k5_prompt_lookup" in done.stdout
     metrics = json.loads((out / "stage.json").read_text())["metrics"]  # alpha per drafted token; the rate at K
-    assert metrics["alpha"] == rows_at(report, "w4a16", 1)["alpha"]
-    assert metrics["acceptance_rate"] == rows_at(report, "w4a16", report["num_speculative_tokens"])["alpha"]
+    assert metrics["alpha"] == rows_at(report, "w4a16", 1)["acceptance_rate"]
+    assert metrics["acceptance_rate"] == rows_at(report, "w4a16", report["num_speculative_tokens"])["acceptance_rate"]
     k = report["num_speculative_tokens"]
+    # the K that pays by batch size: whole steps timed at each of evaluate.dynamic_k_batch_sizes, a schedule from 1
+    dynamic = report["dynamic_k"]
+    assert dynamic["batch_sizes"][0] == 1 and set(dynamic["step_ms"]) == {str(b) for b in dynamic["batch_sizes"]}
+    schedule = dynamic["schedule"]
+    assert schedule[0][0] == 1 and all(0 <= entry[2] <= k for entry in schedule)
+    assert all(later[0] == earlier[1] + 1 for earlier, later in zip(schedule, schedule[1:]))
     md = (out / "eval.md").read_text()
     assert f"| alpha | kept K={k} |" in md
-    assert f"| {rows_at(report, 'w4a16', 1)['alpha']:.3f} | {rows_at(report, 'w4a16', k)['alpha']:.3f} |" in md
+    assert f"| {rows_at(report, 'w4a16', 1)['acceptance_rate']:.3f} | {rows_at(report, 'w4a16', k)['acceptance_rate']:.3f} |" in md
 
 
 def test_eval_json_is_reproducible(evaluated):
@@ -269,9 +276,9 @@ def test_computed_acceptance_at_t1_is_the_engines_expectation(tiny_models):
     params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=12)
     rows, engine_at = one_pass_and_engine(target_dir, load_model(draft_dir, torch.float64), prompts, params, k_max=3)
     measured = engine_at(3).stats
-    assert 0.2 < rows[2].alpha < 0.9
+    assert 0.2 < rows[2].acceptance_rate < 0.9
     assert measured.tau == pytest.approx(rows[2].tau, abs=0.06)
-    assert measured.acceptance_rate == pytest.approx(rows[2].alpha, abs=0.03)
+    assert measured.acceptance_rate == pytest.approx(rows[2].acceptance_rate, abs=0.03)
 
 
 def test_drafts_of_one_shape_share_step_costs(tiny_chat_target, tmp_path):
@@ -303,3 +310,19 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
     assert plain.target_steps == 3 * 11  # each prompt's first token comes from its prefill
     assert k1.matches_plain and k3.matches_plain and adaptive.matches_plain  # the same tokens, compared, not counted
     assert k3.tau > 1 and k3.target_steps < plain.target_steps  # drafts were kept: fewer target steps
+
+
+def test_an_eval_json_of_the_earlier_format_reads_in_this_formats_names(tmp_path):
+    from draftsmith.evaluate.report import read_report
+
+    old = {"format_version": 2, "shipped": "w4a16", "num_speculative_tokens": 2,
+           "acceptance": [{"proposer": "w4a16", "temperature": 0.0, "k": k, "alpha": rate, "tau": 1 + rate * k}
+                          for k, rate in ((1, 0.6), (2, 0.5))],
+           "engine": [{"proposer": "plain", "k": 0, "alpha": 0.0}, {"proposer": "w4a16", "k": 2, "alpha": 0.5}]}
+    (tmp_path / "eval.json").write_text(json.dumps(old))
+    report = read_report(tmp_path / "eval.json")
+    assert [r["acceptance_rate"] for r in report["acceptance"]] == [0.6, 0.5] and "alpha" not in report["acceptance"][0]
+    assert report["engine"][1]["acceptance_rate"] == 0.5
+    result = gates(SimpleNamespace(min_alpha=0.55, max_tau_loss=0.03), {**report, "shipped": "eagle3",
+                   "acceptance": [{**r, "proposer": "eagle3"} for r in report["acceptance"]]})
+    assert result["min_alpha"]["value"] == 0.6 and result["passed"]

@@ -407,3 +407,17 @@ def test_an_eagle3_bundle_is_in_the_speculators_format_verifies_and_a_misfit_hea
     weights.write_bytes(bytes(data))
     with pytest.raises(BundleError, match="draft/model.safetensors"):
         verify(flipped)
+
+
+def test_registry_commands_find_the_store_as_run_does_and_create_nothing(published, tmp_path):
+    tmp, _, _ = published
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    missing = draftsmith("registry", "list", cwd=elsewhere)
+    assert missing.returncode == 1 and "no registry at" in missing.stderr and "Traceback" not in missing.stderr
+    assert str(elsewhere / "runs" / "demo" / "mlflow.db") in missing.stderr  # where it looked: the config's paths.root
+    assert not any(elsewhere.iterdir())  # and it created nothing there
+    found = draftsmith("registry", "list", f"paths.root={tmp / 'runs'}", cwd=elsewhere)
+    assert found.returncode == 0 and "draftsmith-draft" in found.stdout and "champion" in found.stdout, found.stderr
+    wrong = draftsmith("registry", "list", "tracking.nope=1", cwd=elsewhere)
+    assert wrong.returncode == 2 and "configuration error" in wrong.stderr

@@ -14,6 +14,7 @@ class Metric:  # the fields of vLLM's metric snapshot entries (vllm.v1.metrics.r
     values: list[int] = field(default_factory=list)
 
 
+# an eval.json of format 2, whose rows named accepted / drafted "alpha" (format 3: "acceptance_rate")
 REPORT = {"shipped": "w4a16", "acceptance": [
     {"proposer": "w4a16", "temperature": 0.0, "k": 2, "alpha": 0.39, "tau": 1.78, "acceptance_by_position": [0.478, 0.302]},
     {"proposer": "w4a16", "temperature": 0.7, "k": 2, "alpha": 0.30, "tau": 1.60, "acceptance_by_position": [0.4, 0.2]},
@@ -43,3 +44,13 @@ def test_a_disagreement_names_the_position_and_both_numbers():
     assert disagreements({"acceptance_by_position": [0.5]}, expected_row(REPORT, 2), 0.03) == [
         "vLLM counted 1 draft positions, eval.json has 2"]
     assert disagreements({"acceptance_by_position": []}, expected_row(REPORT, 2), 0.03)  # no drafts at all: disagrees
+
+
+def test_a_k_schedule_is_checked_at_the_k_of_its_first_range():
+    from draftsmith.pipeline.vllm_check import batch_and_k
+
+    assert batch_and_k({"num_speculative_tokens": 3})[:2] == (None, 3)
+    spec = {"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 15, 3], [16, 64, 1]]}
+    assert batch_and_k(spec)[:2] == (15, 3)  # at most 15 requests at once: every step at K=3
+    with pytest.raises(Unusable, match="turns speculation off from batch size 1 to 3"):
+        batch_and_k({"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3, 0], [4, 64, 2]]})
