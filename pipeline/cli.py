@@ -207,6 +207,8 @@ def serve(
     smooth_stream: int = typer.Option(0, help="stream accepted tokens in groups of this many, evenly paced (0: as they come)"),
     api_key: str = typer.Option(None, help="require 'Authorization: Bearer <key>' on /v1/*"),
     max_body_bytes: int = typer.Option(4 << 20, help="larger request bodies get 413"),
+    max_stop_strings: int = typer.Option(None, help="stop strings a request may send; more get 400 (default 64)"),
+    max_stop_string_chars: int = typer.Option(None, help="characters a stop string may have; longer get 400 (default 4096)"),
     tracking_uri: str = typer.Option(None, help="MLflow URI for models:/ sources; default: $MLFLOW_TRACKING_URI or runs/demo"),
     target: str = typer.Option(None, help="the target (an HF dir or a hub id) when it is not where target.json says; "
                                           "checked against the sha256 recorded at publish"),
@@ -222,8 +224,10 @@ def serve(
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('runs/demo/mlflow.db').resolve()}"
     try:
-        server = load_server(resolve_bundle(source, uri), device, dtype, max_model_len, max_batch_size, adaptive_k, smooth_stream,
-                             target)
+        limits = {key: value for key, value in (("max_stop_strings", max_stop_strings), ("max_stop_chars", max_stop_string_chars))
+                  if value is not None}
+        server = load_server(resolve_bundle(source, uri), device, dtype, max_model_len, max_batch_size, target,
+                             adaptive_k=adaptive_k, smooth_stream=smooth_stream, **limits)
     except (BundleError, BundleSourceError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None

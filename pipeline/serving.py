@@ -44,9 +44,10 @@ def resolve_bundle(source: str, tracking_uri: str | None = None) -> Path:
 
 
 def load_server(bundle: Path, device: str, dtype: str, max_model_len: int, max_batch_size: int = 16,
-                adaptive_k: bool = True, smooth_stream: int = 0, target: str | None = None) -> "Server":
+                target: str | None = None, **options) -> "Server":
     """Verify the bundle (the same checks as `draftsmith bundle verify`, with `target` instead of the
-    recorded one if given), then load target and draft."""
+    recorded one if given), then load target and draft; `options` are the Server's (adaptive_k, smooth_stream,
+    the stop-string limits)."""
     from transformers import AutoTokenizer
 
     from draftsmith.serve.device import pick_device
@@ -63,4 +64,4 @@ def load_server(bundle: Path, device: str, dtype: str, max_model_len: int, max_b
     reference = bundle / TARGET_JSON
     name = json.loads(reference.read_text())["name_or_path"] if reference.is_file() else target_dir.name
     return Server(engine, AutoTokenizer.from_pretrained(target_dir), str(name), spec["num_speculative_tokens"],
-                  max_model_len, adaptive_k, smooth_stream)
+                  max_model_len, **options)

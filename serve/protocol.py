@@ -3,23 +3,29 @@ that refuse what this server would otherwise answer differently than asked, and 
 (usage, log-probabilities, the error object)."""
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from draftsmith.serve.engine import Logprobs
 from draftsmith.serve.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_N = 64  # choices per request: each is a row of the running batch
+INT64 = (-(2 ** 63), 2 ** 63 - 1)  # a seed seeds a torch generator: a signed 64-bit integer
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """Fields take their own JSON type only: `true` is no integer, "yes" no boolean; NaN and infinity are no number."""
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class Sampling(BaseModel):
+class Sampling(Strict):
     """The sampling fields both endpoints take; null means the default, as in OpenAI's API."""
     ECHOES: ClassVar[bool] = False  # `echo` (the prompt before the completion): the completions API only
     model: str | None = None
@@ -27,9 +33,13 @@ class Sampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 turn it off
+    top_k: int | None = Field(None, ge=-1, le=2 ** 31 - 1)  # vLLM's extension: -1 or 0 turn it off
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension: 0 turns it off
-    seed: int | None = None  # the request's own generator: the same seed, the same text (at the same K)
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])  # the request's own generator: the same seed, the same text
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # vLLM's extension: 1 turns it off
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> added to its logit
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None  # include_usage: a last chunk with the token counts
@@ -49,19 +59,28 @@ class Sampling(BaseModel):
         return bool(self.logprobs), self.top_logprobs or 0
 
     def params(self, max_new_tokens: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         logprobs, top = self.wanted_logprobs()
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
                               min_p=self.min_p or 0.0,
-                              seed=self.seed, max_new_tokens=max_new_tokens, stop=tuple(stop), logprobs=logprobs,
-                              top_logprobs=top)
+                              seed=self.seed, max_new_tokens=max_new_tokens, stop=tuple(self.stops()), logprobs=logprobs,
+                              top_logprobs=top, presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()))
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for a request this server would otherwise answer differently than asked."""
         n = self.n or 1
         if n > MAX_N:
             return "n", f"at most {MAX_N} choices per request"
+        if self.seed is not None and self.seed + n - 1 > INT64[1]:
+            return "seed", f"choice i samples with seed + i: seed + n - 1 must be at most 2^63 - 1 ({INT64[1]})"
+        if bad := next((token for token in self.logit_bias or {} if not token.isdigit()), None):
+            return "logit_bias", f"its keys are token ids (non-negative integers as strings), not {bad!r}"
         if (self.best_of or n) != n:
             return "best_of", "best_of other than n is not supported (choices are not ranked)"
         logprobs, top = self.wanted_logprobs()
@@ -107,12 +126,12 @@ def several(prompt: str | list) -> list:
     return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -16,12 +17,17 @@ from draftsmith.serve.protocol import (MAX_N, ChatRequest, CompletionRequest, er
                                        token_usage)
 from draftsmith.serve.sampling import SamplingError, SamplingParams
 from draftsmith.serve.scheduler import Request as EngineRequest
+from draftsmith.serve.stops import StopStrings
 from draftsmith.serve.streaming import Reply, stream
 
 if TYPE_CHECKING:
     from draftsmith.serve.server import Server
 
 DISCONNECT_CHECK_S = 0.25  # how often a waiting non-streaming request looks for its client
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # what pydantic calls a union's members in an error's path
+# builds the stop strings' automata, one request's at a time: a build is Python work that holds the interpreter
+# lock, and many at once in many threads kept the event loop (and /health) waiting for it in turn
+STOP_BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stop-strings")
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -32,8 +38,13 @@ def add_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":  # its loc is a character offset, not a parameter
             return error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+        # the parameter's path, without pydantic's names of a union's member types ("prompt.list[int].0")
+        path = [str(p) for p in first.get("loc", ())[1:] if isinstance(p, int) or p.isidentifier() and p not in TYPE_TAGS]
+        param = ".".join(path) or None
+        message = first.get("msg", "invalid request")
+        if len(exc.errors()) > 1 and all(e.get("loc", ())[:2] == first.get("loc", ())[:2] for e in exc.errors()):
+            message = "not of a type this parameter takes (" + "; ".join(sorted({e["msg"] for e in exc.errors()})) + ")"
+        return error(400, f"{param or 'body'}: {message}", param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404, 405 and the like
@@ -84,8 +95,33 @@ def unknown_model(server: "Server", name: str) -> JSONResponse:
     return error(404, f"the model {name!r} does not exist: this server serves {server.model_name!r}", "model", "model_not_found")
 
 
-def choices_of(server: "Server", request: CompletionRequest | ChatRequest, chat: bool,
-               prompts: list[list[int]]) -> list[tuple[list[int], SamplingParams]] | JSONResponse:
+def stop_refusal(server: "Server", request: CompletionRequest | ChatRequest) -> JSONResponse | None:
+    """The 400 for more or longer stop strings than the server's limits (--max-stop-strings,
+    --max-stop-string-chars): each costs every request a share of the time it takes to match them."""
+    stops = request.stops()
+    if len(stops) > server.max_stop_strings:
+        return error(400, f"stop: {len(stops)} stop strings; at most {server.max_stop_strings}", "stop")
+    if (longest := max((len(stop) for stop in stops), default=0)) > server.max_stop_chars:
+        return error(400, f"stop: a stop string of {longest} characters; at most {server.max_stop_chars}", "stop")
+    if "" in stops:
+        return error(400, "stop: an empty stop string would stop before the first token", "stop")
+    return None
+
+
+def token_refusal(server: "Server", request: CompletionRequest | ChatRequest, prompts: list[list[int]]) -> JSONResponse | None:
+    """The 400 for token ids outside the target's vocabulary, naming the prompt or the logit_bias key."""
+    vocab = server.vocab_size
+    for i, ids in enumerate(prompts):
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            return error(400, f"{where} has token ids outside the vocabulary [0, {vocab})", "prompt")
+    if outside := [token for token in request.logit_bias or {} if int(token) >= vocab]:
+        return error(400, f"logit_bias: token {outside[0]} is outside the vocabulary [0, {vocab})", "logit_bias")
+    return None
+
+
+def choices_of(server: "Server", request: CompletionRequest | ChatRequest, chat: bool, prompts: list[list[int]],
+               automaton: StopStrings | None) -> list[tuple[list[int], SamplingParams]] | JSONResponse:
     """(prompt ids, params) of each choice: n for each prompt, each a row of the batch; or the 400 that
     refuses the request."""
     asked = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
@@ -97,7 +133,7 @@ def choices_of(server: "Server", request: CompletionRequest | ChatRequest, chat:
             return error(400, f"{len(ids)} prompt tokens + {asked} {new_tokens} exceed the context of "
                               f"{server.max_model_len} tokens", asked if room >= 1 else ("messages" if chat else "prompt"))
         try:
-            params = request.params(new_tokens)
+            params = replace(request.params(new_tokens), stop_automaton=automaton)
         except SamplingError as e:
             return error(400, str(e))
         # with a seed, a prompt's choice i samples with seed + i
@@ -115,8 +151,15 @@ async def handle(server: "Server", request: CompletionRequest | ChatRequest, cha
         return error(400, f"{where}: not valid Unicode (a lone surrogate)", where)
     if unsupported := request.unsupported():
         return error(400, f"{unsupported[0]}: {unsupported[1]}", unsupported[0])
-    prompts = await asyncio.to_thread(server.prompt_ids, request)  # tokenizing a long prompt must not stall the loop
-    jobs = choices_of(server, request, chat, prompts)
+    if refused := stop_refusal(server, request):
+        return refused
+    # tokenizing a long prompt and building the stop strings' automaton must not stall the loop
+    prompts = await asyncio.to_thread(server.prompt_ids, request)
+    if refused := token_refusal(server, request, prompts):
+        return refused
+    automaton = await asyncio.get_running_loop().run_in_executor(STOP_BUILDER, StopStrings, tuple(request.stops())) \
+        if request.stop else None
+    jobs = choices_of(server, request, chat, prompts, automaton)
     if isinstance(jobs, JSONResponse):
         return jobs
     # echo: each choice's text starts with its prompt (token ids decoded, off the event loop)

@@ -7,47 +7,61 @@ state also says how much of the text's end could still begin a stop string: what
 """
 from __future__ import annotations
 
-from collections import deque
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from draftsmith.serve.sampling import SamplingParams
 
 Detokenize = Callable[[list[int]], str]
+CHARS = 0x110000  # code points: a transition's key is state * CHARS + the character's code point
 
 
 class StopStrings:
     """The automaton of a set of stop strings. Build it once per request (linear in their total length)
-    and give each sequence a `scan()`."""
+    and give each sequence a `scan()`. Its transitions are one dict of integers, not a dict per state: a
+    request may send 64 x 4096 characters of stop strings, and a quarter of a million small dicts cost the
+    garbage collector's every pass over the server's objects."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
-        self.goto: list[dict[str, int]] = [{}]  # the trie: state -> character -> state
-        self.depth = [0]  # characters from the root: the longest suffix of the text that begins a stop string
-        self.ends = [0]  # the longest stop string that ends at this state (0: none), following suffix links
+        edges: dict[int, int] = {}  # state * CHARS + code point -> the next state along the trie
+        parent, code, depth, ends = [0], [0], [0], [0]
         for stop in stops:
             state = 0
             for char in stop:
-                if char not in self.goto[state]:
-                    self.goto.append({})
-                    self.depth.append(self.depth[state] + 1)
-                    self.ends.append(0)
-                    self.goto[state][char] = len(self.goto) - 1
-                state = self.goto[state][char]
-            self.ends[state] = max(self.ends[state], len(stop))
-        self.fail = [0] * len(self.goto)  # the longest proper suffix of a state's string that is a state too
-        queue = deque(self.goto[0].values())
-        while queue:
-            state = queue.popleft()
-            for char, child in self.goto[state].items():
-                self.fail[child] = self.next(self.fail[state], char) if state else 0
-                self.ends[child] = max(self.ends[child], self.ends[self.fail[child]])
-                queue.append(child)
+                key = state * CHARS + ord(char)
+                child = edges.get(key)
+                if child is None:
+                    child = edges[key] = len(depth)
+                    parent.append(state)
+                    code.append(ord(char))
+                    depth.append(depth[state] + 1)
+                    ends.append(0)
+                state = child
+            ends[state] = max(ends[state], len(stop))
+            time.sleep(0)  # a build holds the interpreter lock: let the server's other threads in between stop strings
+        # the suffix links, shallowest states first: the longest proper suffix of a state's string that is a
+        # state too; `ends` then holds the longest stop string ending at each state, through those links
+        fail = [0] * len(depth)
+        by_depth: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+        for state in range(1, len(depth)):
+            by_depth[depth[state]].append(state)
+        for states in by_depth[2:]:
+            time.sleep(0)
+            for state in states:
+                f, c = fail[parent[state]], code[state]
+                while f and f * CHARS + c not in edges:
+                    f = fail[f]
+                fail[state] = edges.get(f * CHARS + c, 0)
+                ends[state] = max(ends[state], ends[fail[state]])
+        self.edges, self.fail, self.depth, self.ends = edges, fail, depth, ends
 
     def next(self, state: int, char: str) -> int:
-        while state and char not in self.goto[state]:
+        c, edges = ord(char), self.edges
+        while state and state * CHARS + c not in edges:
             state = self.fail[state]
-        return self.goto[state].get(char, 0)
+        return edges.get(state * CHARS + c, 0)
 
     def scan(self) -> "StopScan":
         return StopScan(self)

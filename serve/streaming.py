@@ -6,12 +6,13 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
 
 from draftsmith.serve.engine import Completion
 from draftsmith.serve.protocol import token_logprobs, token_usage
 from draftsmith.serve.scheduler import Request as EngineRequest
+from draftsmith.serve.stops import IncrementalText, StopScan, StopStrings
 
 if TYPE_CHECKING:
     from draftsmith.serve.server import Server
@@ -34,40 +35,29 @@ class Reply:
         return "chat.completion" if self.chat else "text_completion"
 
 
-def settled(text: str, stops: tuple[str, ...]) -> str:
-    """What of a streamed text no stop string can still cut away: the text before any stop string, less
-    a tail that could begin one. Streaming only this makes stream and non-stream text equal."""
-    for stop in stops:
-        if (at := text.find(stop)) >= 0:
-            text = text[:at]
-    tail = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-    return text[:len(text) - tail]
-
-
-
 @dataclass
 class Streamed:
-    """One choice of a stream: what it has received and what went out."""
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""  # the tokens' text so far, less a last character still incomplete
-    decoded: int = 0  # tokens whose text is in `text`
-    window: int = 0  # where the last decode began: the text of tokens[window:decoded] is known
+    """One choice of a stream: its text as it grows, what stop strings still hold back, and what went out."""
+    text: IncrementalText
+    scan: StopScan | None  # the request's stop strings over this choice's text (None: it has none)
     sent: str = ""  # text sent
     logged: int = 0  # tokens whose log-probabilities were sent
     first_at: float | None = None
     last_burst: float = 0.0
     step_s: float = 0.0  # a moving average of the time between bursts: the pacing budget
 
-    def extend(self, tokens: list[int], decode: Callable[[list[int]], str]) -> None:
-        """Take more tokens and their text, decoding only from the last decode's start (decoding the whole
-        response per burst cost its length in time; the overlap keeps spacing and merged bytes right)."""
-        self.tokens += tokens
-        known = decode(self.tokens[self.window:self.decoded])
-        both = decode(self.tokens[self.window:])
-        if len(both) > len(known) and not both.endswith("\ufffd"):  # no character cut in two
-            self.text += both[len(known):]
-            self.window, self.decoded = self.decoded, len(self.tokens)
+    def extend(self, tokens: list[int]) -> None:
+        added = self.text.extend(tokens)
+        if self.scan is not None:
+            self.scan.feed(added)
 
+    def settled(self) -> str:
+        """What of the text no stop string can still cut away: the text before the stop string that appeared,
+        or less the tail that could begin one. Streaming only this makes stream and non-stream text equal."""
+        text = self.text.text
+        if self.scan is None:
+            return text
+        return text[:self.scan.found] if self.scan.found is not None else text[:len(text) - self.scan.held]
 
 
 async def stream(server: "Server", reply: Reply, submitted: list[EngineRequest], updates: asyncio.Queue, prompt_tokens: int,
@@ -84,14 +74,15 @@ async def stream(server: "Server", reply: Reply, submitted: list[EngineRequest],
         request, choice = submitted[index], choices[index]
         logprobs = None
         if request.logprobs is not None:  # the entries of the tokens received since the last chunk
-            logprobs = token_logprobs(server.tokenizer, choice.tokens[choice.logged:],
-                                      request.logprobs.window(choice.logged, len(choice.tokens)), chat)
-            choice.logged = len(choice.tokens)
+            tokens = choice.text.tokens
+            logprobs = token_logprobs(server.tokenizer, tokens[choice.logged:], request.logprobs.window(choice.logged, len(tokens)), chat)
+            choice.logged = len(tokens)
         body = {"delta": delta} if chat else {"text": delta.get("content", "")}
         return event({"choices": [{"index": index, "finish_reason": finish, "logprobs": logprobs, **body}]})
 
     decode = lambda ids: server.tokenizer.decode(ids, skip_special_tokens=True)
-    choices = [Streamed(last_burst=started) for _ in submitted]
+    scan = lambda params: (params.stop_automaton or StopStrings(params.stop)).scan() if params.stop else None
+    choices = [Streamed(IncrementalText(decode), scan(request.params), last_burst=started) for request in submitted]
     results: dict[int, Completion] = {}
     try:
         for index, echo in enumerate(echoes):
@@ -125,9 +116,9 @@ async def stream(server: "Server", reply: Reply, submitted: list[EngineRequest],
             for j, part in enumerate(groups):
                 if j and updates.empty():  # pace the burst over the expected step time, never behind
                     await asyncio.sleep(choice.step_s / len(groups))
-                choice.extend(part, decode)
-                text = settled(choice.text, request.params.stop)
-                if text.startswith(choice.sent) and len(text) > len(choice.sent):  # choice.text holds whole characters only
+                choice.extend(part)
+                text = choice.settled()
+                if text.startswith(choice.sent) and len(text) > len(choice.sent):  # the text holds whole characters only
                     yield chunk(index, {"content": text[len(choice.sent):]})
                     choice.sent = text
         if include_usage and len(results) == len(submitted):

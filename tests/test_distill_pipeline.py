@@ -58,7 +58,7 @@ def test_distillation_lowers_held_out_tvd_and_a_sweep_shares_the_teacher(tiny_ch
     sweep = run(args_for(tiny_chat_target, root, *online, "distill.loss=tvd,hard_label", multirun=True), tmp_path)
     assert len([p for p in (root / "teacher").iterdir() if not p.name.startswith(".")]) == 1
     assert len([p for p in (root / "distill").iterdir() if not p.name.startswith(".")]) == 3
-    assert len(re.findall(r"│ cached +│", sweep.stdout)) == 6  # target, data, teacher in each of the two jobs
+    assert len(re.findall(r"│ cached \(ran [0-9-]+ [0-9:]+\) +│", sweep.stdout)) == 6  # target, data, teacher in each of the two jobs
 
     # freeze_embeddings: the layers learn, the (tied) embedding table and LM head stay the target's
     frozen_args = [a.replace("freeze_embeddings=false", "freeze_embeddings=true") for a in args_for(tiny_chat_target, root, *online)]

@@ -74,8 +74,11 @@ def test_single_run_then_cached_then_tracking_off(tiny_chat_target, tmp_path):
     first = draftsmith_run(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "ran" in first.stdout and "skipped (stop_after)" in first.stdout
+    log = first.stdout + first.stderr  # a log, not a terminal: our lines only, and table cells whole
+    assert not any(noise in log for noise in ("it/s]", "Loading weights", "Saving the dataset", "No accelerator")), log[-2000:]
+    assert "…" not in first.stdout
     second = draftsmith_run(*args, cwd=tmp_path)
-    assert len(re.findall(r"│ cached +│", second.stdout)) == 4  # target, data, teacher, distill
+    assert len(re.findall(r"│ cached \(ran [0-9-]+ [0-9:]+\) +│", second.stdout)) == 4  # target, data, teacher, distill
     reference = json.loads(next((root / "target").glob("*/target.json")).read_text())
     assert reference["path"] == str(target_dir) and reference["vocab_size"] == 49152
     assert len(reference["sha256"]["config.json"]) == 64

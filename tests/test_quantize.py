@@ -56,7 +56,7 @@ def test_w4a16_checkpoint_is_compressed_tensors_with_the_target_tokenizer(w4a16,
     weights = config["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["symmetric"], weights["strategy"]) == (4, False, "group")
     assert weights["group_size"] == done["group_size"] == 32  # hidden 96: 128 and 64 do not divide it
-    assert "lm_head" in config["ignore"]
+    assert config["ignore"] == [r"re:(.*\.)?lm_head$"]  # a pattern: vLLM builds the draft under its own prefix
     check_same_tokenizer(tiny_chat_target, out)
 
 

@@ -385,7 +385,7 @@ def test_incremental_detokenization_gives_the_whole_decode_in_any_bursts(tiny_ch
 
     from transformers import AutoTokenizer
 
-    from draftsmith.serve.streaming import Streamed
+    from draftsmith.serve.stops import IncrementalText
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
@@ -394,10 +394,10 @@ def test_incremental_detokenization_gives_the_whole_decode_in_any_bursts(tiny_ch
     assert any("\ufffd" in decode(ids[:i]) for i in range(len(ids)))  # some prefixes do end mid-character
     draw = random.Random(0)
     for _ in range(20):
-        choice, i = Streamed(), 0
+        choice, i = IncrementalText(decode), 0
         while i < len(ids):
             n = draw.randint(1, 4)
-            choice.extend(ids[i:i + n], decode)
+            choice.extend(ids[i:i + n])
             i += n
             assert decode(ids[:i]).startswith(choice.text) and "\ufffd" not in choice.text
         assert choice.text == decode(ids) == text
