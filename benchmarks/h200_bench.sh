@@ -13,6 +13,9 @@
 #   bash benchmarks/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine, 3 rounds
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
+#   bash benchmarks/h200_bench.sh profile8b    where a plain step and a verification go at the Llama-3.1-8B shape (random weights)
+#   bash benchmarks/h200_bench.sh scale [SHAPE]   bench shapes: plain, verify and both draft kinds' steps at SHAPE
+#                                            (llama-3.1-8b), batch 1 and 16, K 2 and 4, projected at alpha ALPHA (0.76)
 # Settings (environment, with defaults): ROOT (/root/draftsmith-gpu), where runs and the target cache persist while
 # the machine stays up; OUT ($OUT, else /tmp/out), where results go; PORT (8011), the server's. LIMIT (seconds, 570)
 # bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest (the gpu
@@ -49,9 +52,9 @@ bundle() {
   fi
 }
 
-case "${1:?tests, train, eagle, standalone, decode, serve, compare, batch or attention}" in
+case "${1:?tests, train, eagle, standalone, pipeline, shapes, decode, serve, compare, batch, attention, profile8b or scale}" in
 tests)
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py 2>&1 | tail -15
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py tests/test_penalties.py 2>&1 | tail -15
   ;;
 train)  # further arguments go to profile_train (--variant, --batch, --profile)
   shift
@@ -137,5 +140,12 @@ batch)
   ;;
 attention)
   python3 benchmarks/profile_attention.py --cache-dir $root/cache
+  ;;
+profile8b)
+  python3 benchmarks/profile_shape.py --shape llama-3.1-8b --batch 1 2>&1 | tee "$out/profile_shape.txt" | tail -25
+  ;;
+scale)
+  "${cli[@]}" bench shapes --shape "${2:-llama-3.1-8b}" --batch 1 --batch 16 --k 2 --k 4 --alpha "${ALPHA:-0.76}" --repeats 3 \
+    --out "$out/bench_shapes_${2:-llama-3.1-8b}.json"
   ;;
 esac

@@ -194,6 +194,62 @@ def bench_serve_command(
         raise typer.Exit(1)
 
 
+@bench.command("shapes")
+def bench_shapes(
+    shape: list[str] = typer.Option(["llama-3.1-8b"], "--shape", help="a named target shape (repeatable): llama-3.1-8b, "
+                                                                      "qwen2.5-7b, qwen3-8b, smollm2-135m, tiny"),
+    batch: list[int] = typer.Option([1, 16], "--batch", help="batch sizes (repeatable)"),
+    k: list[int] = typer.Option([2, 4], "--k", help="num_speculative_tokens (repeatable)"),
+    draft_layers: int = typer.Option(2, help="layers of the draft model, of the target's width"),
+    draft_vocab: int = typer.Option(32768, help="the EAGLE-3 head's draft vocabulary"),
+    eval_json: str = typer.Option(None, "--acceptance", help="an eval.json whose shipped draft's tau by K projects the speedup"),
+    alpha: float = typer.Option(None, help="or project from this per-token acceptance (Leviathan's expected length)"),
+    new_tokens: int = typer.Option(128, help="tokens decoded per row"),
+    prompt_tokens: int = typer.Option(128, help="prompt length (random tokens)"),
+    repeats: int = typer.Option(3, help="timed runs per row after a warm-up run; the median counts"),
+    bandwidth: float = typer.Option(4800.0, help="the device's memory bandwidth in GB/s, for the plain step's floor"),
+    device: str = typer.Option("auto", help="auto, cpu or cuda"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
+    out: Path = typer.Option(None, help="write the rows as JSON here"),
+) -> None:
+    """Decoding cost at a target's shape without its weights (random weights on the device): plain steps, the
+    verify forward over 1..K+1 tokens, a draft model's and an EAGLE-3 head's whole steps, and the projected
+    speedup of an acceptance curve."""
+    import json
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from draftsmith.evaluate.bench_shapes import SHAPES, acceptance_curve, as_dicts, bandwidth_floor_ms, build, run_shape
+    from draftsmith.serve.device import DTYPES
+
+    unknown = [name for name in shape if name not in SHAPES]
+    if unknown:
+        typer.echo(f"unknown shape {unknown[0]!r}: one of {', '.join(SHAPES)}", err=True)
+        raise typer.Exit(2)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    tau = acceptance_curve(eval_json, alpha, k)
+    rows, floors = [], {}
+    for name in shape:
+        floors[name] = bandwidth_floor_ms(build(SHAPES[name], DTYPES[dtype], "meta"), bandwidth)
+        rows += run_shape(name, batch, k, draft_layers, draft_vocab, tau, device, DTYPES[dtype], new_tokens, prompt_tokens, repeats)
+    table = Table(title=f"bench shapes on {device}, {dtype}, random weights, {prompt_tokens}-token prompts, {new_tokens} new tokens, "
+                        f"median of {repeats}")
+    for column in ("shape", "method", "batch", "K", "ms/step", "min-max", "x plain step", "floor / plain", "projected x plain"):
+        table.add_column(column, justify="left" if column in ("shape", "method") else "right")
+    plain = {(r.shape, r.batch): r.ms for r in rows if r.method == "plain"}
+    for r in rows:
+        floor = f"{floors[r.shape] / r.ms:.0%}" if r.method == "plain" and r.batch == 1 else ""
+        table.add_row(r.shape, r.method, str(r.batch), str(r.k), f"{r.ms:.3f}", f"{r.spread[0]:.3f}-{r.spread[1]:.3f}",
+                      f"{r.ms / plain[(r.shape, r.batch)]:.2f}", floor,
+                      f"{r.projected_speedup:.2f}x" if r.projected_speedup else "")
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    if out:
+        out.write_text(json.dumps({"rows": as_dicts(rows), "bandwidth_floor_ms": floors, "tau": tau, "device": device,
+                                   "gpu": torch.cuda.get_device_name() if device == "cuda" else None}, indent=2))
+
+
 @app.command()
 def serve(
     source: str = typer.Argument(..., help="a bundle dir, or models:/<name>@champion from the MLflow registry"),

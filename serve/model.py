@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) with a static KV cache, in plain PyTorch.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM2) with a static KV cache, in plain PyTorch.
 
 One forward takes `tokens [B, T]` at `positions [B, T]` (each row at its own offset) and returns
 `logits [B, T, V]`. Keys and values are written into the cache at those positions, and a query at
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from draftsmith.serve import decode_attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 class UnsupportedModelError(ValueError):
@@ -43,6 +43,7 @@ class ModelArgs:
     o_bias: bool
     mlp_bias: bool
     sliding_window: int | None
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before the rotary embedding
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
@@ -81,6 +82,7 @@ class ModelArgs:
             o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=sliding,
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -149,6 +151,8 @@ class Attention(nn.Module):
         # q, k, v fused; an EAGLE-3 head's first layer reads 2 x hidden_size (token embedding, hidden state)
         self.wqkv = nn.Linear(in_features or args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.cache: KVCache | None = None
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -160,6 +164,8 @@ class Attention(nn.Module):
         q = q.view(B, T, a.num_heads, a.head_dim)
         k = k.view(B, T, a.num_kv_heads, a.head_dim)
         v = v.view(B, T, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:

@@ -91,6 +91,9 @@ def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor
         if args.qkv_bias:
             state[q + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
         state[q + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        if args.qk_norm:
+            state[q + "attention.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
+            state[q + "attention.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
         if args.o_bias:
             state[q + "attention.wo.bias"] = take(p + "self_attn.o_proj.bias")
         state[q + "feed_forward.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])

@@ -13,11 +13,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker (and per pipe
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-FAMILIES = ("llama", "qwen2", "mistral", "smollm2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm2")
 
 
 def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
@@ -28,6 +28,8 @@ def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     if family == "qwen2":  # q/k/v bias, tied head
         return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    if family == "qwen3":  # q/k RMSNorm per head, an explicit head_dim other than hidden / heads, tied head
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)
     if family == "mistral":
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=4096)
     if family == "smollm2":  # SmolLM2's shape in miniature: tied, 3:1 GQA, head_dim 16
