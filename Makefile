@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith run
 
-# both cores: one worker each, tests of a module together (they share its fixtures)
+# lint and format checked first; then both cores: one worker each, tests of a module together (they share its fixtures)
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --dist loadscope
 
 # vLLM itself judges a bundle (pipeline/vllm_check.py): vLLM's CPU build loads the target with the bundle's draft,

@@ -5,6 +5,7 @@ attending: torch's fused kernel and the runtime's triton kernel (serve/decode_at
 
     python3 benchmarks/profile_attention.py [--cache-dir DIR] [--choices fused kernel]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ def main() -> None:
         for slots in (320, 2056):
             engine = Engine(target, max_batch_size=16, max_seq_len=slots)
             # queries at the cache's end: the triton kernel reads every slot, as for a row of the cache's length
-            rows += [(name, slots, b, t, time_forward(engine.target_forward, b, t, engine.device, repeats=30, start=slots - t))
-                     for b in (1, 16) for t in (1, 4, 8)]
+            rows += [
+                (name, slots, b, t, time_forward(engine.target_forward, b, t, engine.device, repeats=30, start=slots - t))
+                for b in (1, 16)
+                for t in (1, 4, 8)
+            ]
             del engine
     model.USE_DECODE_ATTENTION = True
     print(f"\n{'attention':<10} {'slots':>6} {'batch':>6} {'tokens':>7} {'ms':>8}")

@@ -5,6 +5,7 @@ device included) and admitting requests, the K chosen, and a cProfile of the ada
 
     python3 benchmarks/profile_batch.py --draft BUNDLE/draft [--cache-dir DIR] [--batch 16] [--k 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,11 @@ def main() -> None:
     draft = load_draft(args.draft, torch.bfloat16, "cuda")
     max_seq_len = max(map(len, prompts)) + args.new_tokens + args.k + 8
     lines = []
-    for label, d, k, adaptive in (("plain", None, 0, False), (f"K={min(3, args.k)}", draft, min(3, args.k), False),
-                                  (f"adaptive K<={args.k}", draft, args.k, True)):
+    for label, d, k, adaptive in (
+        ("plain", None, 0, False),
+        (f"K={min(3, args.k)}", draft, min(3, args.k), False),
+        (f"adaptive K<={args.k}", draft, args.k, True),
+    ):
         engine = Engine(target, d, max_batch_size=args.batch, max_seq_len=max_seq_len)
         scheduler = Scheduler(engine, k, adaptive=adaptive)
         scheduler.warm_up(full=False, batch_sizes=[args.batch])
@@ -83,9 +87,11 @@ def main() -> None:
         spent = timed_phases(scheduler)
         seconds, ks, tokens = run(scheduler, prompts, 4 * args.batch, args.new_tokens)
         steps = sum(ks.values())
-        lines.append(f"{label:<16} {tokens / seconds:>9.1f} tok/s  {steps:>5} steps  {1000 * seconds / steps:6.3f} ms/step  "
-                     f"launch {1000 * spent['_launch'] / steps:.3f}  hand-out {1000 * spent['_hand_out'] / steps:.3f}  "
-                     f"admit {1000 * spent['_admit']:.1f} ms total ({spent['_prefill calls']} prefills)  K {dict(sorted(ks.items()))}  graph ms by K {costs}")
+        lines.append(
+            f"{label:<16} {tokens / seconds:>9.1f} tok/s  {steps:>5} steps  {1000 * seconds / steps:6.3f} ms/step  "
+            f"launch {1000 * spent['_launch'] / steps:.3f}  hand-out {1000 * spent['_hand_out'] / steps:.3f}  "
+            f"admit {1000 * spent['_admit']:.1f} ms total ({spent['_prefill calls']} prefills)  K {dict(sorted(ks.items()))}  graph ms by K {costs}"
+        )
         if adaptive:
             profiler = cProfile.Profile()
             profiler.enable()

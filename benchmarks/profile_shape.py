@@ -5,6 +5,7 @@ kernels of each.
 
     python3 benchmarks/profile_shape.py [--shape llama-3.1-8b] [--batch 1] [--bandwidth 4800]
 """
+
 from __future__ import annotations
 
 import argparse

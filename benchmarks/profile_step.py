@@ -6,6 +6,7 @@ kernels of the target's forward over 1 and over K+1 tokens a row, and of a whole
 
 The draft defaults to `--layers` of the demo target's layers, spread (timing does not depend on its training).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,7 +84,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = args.draft or build_from_target(
-            target_dir, Path(tmp) / "draft", every_nth_layer(read_config(target_dir)["num_hidden_layers"], args.layers))
+            target_dir, Path(tmp) / "draft", every_nth_layer(read_config(target_dir)["num_hidden_layers"], args.layers)
+        )
         for label, kernel in ((", torch", False), ("", True)):  # torch's attention kernels; then the runtime's own
             model.USE_DECODE_ATTENTION = kernel
             torch._dynamo.reset()  # the compiled blocks read the choice when they compile

@@ -12,6 +12,7 @@ steps make one pass over the rows and the timed steps repeat them, as the gpu pr
 passes over the teacher data: with kept states (distill.target_states_gib) the timed steps run only the
 target's LM head, which is the steady state of a run (its first pass runs the whole target).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,7 @@ VARIANTS = {  # name -> DistillConfig overrides
     "chunked, packed": {"loss_chunk_size": 4096, "pack_sequences": True, "target_states_gib": 0.0},
     "chunked, packed, compiled": {"loss_chunk_size": 4096, "pack_sequences": True, "compile": True, "target_states_gib": 0.0},
     "chunked, packed, kept states": {"loss_chunk_size": 4096, "pack_sequences": True, "target_states_gib": 8.0},
-    "chunked, packed, kept states, compiled": {"loss_chunk_size": 4096, "pack_sequences": True, "compile": True,
-                                               "target_states_gib": 8.0},
+    "chunked, packed, kept states, compiled": {"loss_chunk_size": 4096, "pack_sequences": True, "compile": True, "target_states_gib": 8.0},
 }
 DEFAULT_VARIANTS = ["chunked, packed", "chunked, packed, kept states", "chunked, packed, kept states, compiled"]
 
@@ -38,8 +38,13 @@ DEFAULT_VARIANTS = ["chunked, packed", "chunked, packed, kept states", "chunked,
 def synthetic_rows(n: int, vocab: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     lengths = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=g))
-    return [{"prompt_ids": torch.randint(3, vocab, (lengths(30, 90),), generator=g).tolist(),
-             "response_ids": torch.randint(3, vocab, (lengths(60, 256),), generator=g).tolist()} for _ in range(n)]
+    return [
+        {
+            "prompt_ids": torch.randint(3, vocab, (lengths(30, 90),), generator=g).tolist(),
+            "response_ids": torch.randint(3, vocab, (lengths(60, 256),), generator=g).tolist(),
+        }
+        for _ in range(n)
+    ]
 
 
 def one_run(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], warmup: int, work: Path, cpu: bool) -> tuple[float, float]:
@@ -47,13 +52,23 @@ def one_run(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], warmup: in
     loaded target (distill.compile compiles the target's layers in place)."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.train import DraftObjective, Distiller
+    from draftsmith.distill.train import Distiller, DraftObjective
 
     seen: list[tuple[int, float]] = []
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32 if cpu else torch.bfloat16)
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
-    distiller = Distiller(cfg, draft, target, DraftObjective(cfg, online=True), rows, [], work, seed=0, cpu=cpu,
-                          log=lambda step, m: seen.append((step, m["tokens_per_s"])) if "tokens_per_s" in m else None)
+    distiller = Distiller(
+        cfg,
+        draft,
+        target,
+        DraftObjective(cfg, online=True),
+        rows,
+        [],
+        work,
+        seed=0,
+        cpu=cpu,
+        log=lambda step, m: seen.append((step, m["tokens_per_s"])) if "tokens_per_s" in m else None,
+    )
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
     distiller.train()
@@ -69,8 +84,7 @@ def profile(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], work: Path
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu)
-    return prof.key_averages().table(sort_by="cuda_time_total" if not cpu else "cpu_time_total", row_limit=25,
-                                     max_name_column_width=60)
+    return prof.key_averages().table(sort_by="cuda_time_total" if not cpu else "cpu_time_total", row_limit=25, max_name_column_width=60)
 
 
 def main() -> None:
@@ -85,17 +99,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="then one more run of the last variant under torch.profiler: "
-                        "where a step's GPU time goes")
+    parser.add_argument(
+        "--profile", action="store_true", help="then one more run of the last variant under torch.profiler: where a step's GPU time goes"
+    )
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script, not a measurement")
-    parser.add_argument("--variant", action="append", choices=list(VARIANTS),
-                        help=f"default: {'; '.join(DEFAULT_VARIANTS)}")
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS), help=f"default: {'; '.join(DEFAULT_VARIANTS)}")
     args = parser.parse_args()
 
     target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
     cpu = args.device == "cpu"
-    base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=args.warmup + args.steps,
-                   eval_every=10**9)
+    base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=args.warmup + args.steps, eval_every=10**9)
     rows = synthetic_rows(args.batch * args.warmup, read_config(target_dir)["vocab_size"], seed=0)  # one pass in warm-up
     names = args.variant or DEFAULT_VARIANTS
     rates: dict[str, list[float]] = {name: [] for name in names}
@@ -107,8 +120,7 @@ def main() -> None:
                 cfg = replace(base, **VARIANTS[name])
                 started = time.time()
                 try:
-                    rate, memory[name] = one_run(cfg, target_dir, draft_dir, rows, args.warmup,
-                                                    Path(tmp) / f"work{round_}{name}", cpu)
+                    rate, memory[name] = one_run(cfg, target_dir, draft_dir, rows, args.warmup, Path(tmp) / f"work{round_}{name}", cpu)
                 except Exception as error:  # a variant that fails here is reported, the others still run
                     print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
                     continue
@@ -117,14 +129,18 @@ def main() -> None:
         if args.profile:
             print(profile(replace(base, **VARIANTS[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu))
     baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
-    print(f"\nbatch {args.batch} rows, {args.steps} timed steps after {args.warmup}, {args.repeats} rounds; "
-          f"{'CPU' if cpu else torch.cuda.get_device_name()}")
+    print(
+        f"\nbatch {args.batch} rows, {args.steps} timed steps after {args.warmup}, {args.repeats} rounds; "
+        f"{'CPU' if cpu else torch.cuda.get_device_name()}"
+    )
     print(f"| variant | tokens/s (median) | spread | x {names[0]} | peak GiB |\n|---|---:|---|---:|---:|")
     for name in names:
         if rates[name]:
             median = statistics.median(rates[name])
-            print(f"| {name} | {median:,.0f} | {min(rates[name]):,.0f}-{max(rates[name]):,.0f} | "
-                  f"{median / baseline:.2f} | {memory[name]:.1f} |")
+            print(
+                f"| {name} | {median:,.0f} | {min(rates[name]):,.0f}-{max(rates[name]):,.0f} | "
+                f"{median / baseline:.2f} | {memory[name]:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Training checkpoints without pickles: weights, optimizer and RNG tensors in safetensors, the rest
 in JSON. Written to a temporary dir and renamed, so a kill leaves the previous checkpoint whole."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ def save(work_dir: Path, model: torch.nn.Module, optimizer, scheduler, progress:
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = state
     save_file(tensors, str(tmp / "optimizer.safetensors"))
-    meta = {"param_groups": opt["param_groups"], "scalars": scalars, "scheduler": scheduler.state_dict(),
-            "python_random": random.getstate(), "progress": progress}
+    meta = {
+        "param_groups": opt["param_groups"],
+        "scalars": scalars,
+        "scheduler": scheduler.state_dict(),
+        "python_random": random.getstate(),
+        "progress": progress,
+    }
     (tmp / "state.json").write_text(json.dumps(meta))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

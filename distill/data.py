@@ -6,6 +6,7 @@ Parquet file, a `datasets` directory (save_to_disk), or a hub dataset id. Each r
 the held-out eval split when the hash of its text falls under `data.eval_fraction`; the split does
 not depend on the order or number of records, and the eval ids are recorded in stage.json.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -56,8 +57,9 @@ def read_records(path: str) -> list[dict[str, Any]]:
     try:
         return datasets.load_dataset(path, split="train").to_list()
     except Exception as e:
-        raise DataError(f"could not load data {path!r} ({type(e).__name__}): pass a local .jsonl/.csv/.parquet "
-                        "file or a datasets directory") from None
+        raise DataError(
+            f"could not load data {path!r} ({type(e).__name__}): pass a local .jsonl/.csv/.parquet file or a datasets directory"
+        ) from None
 
 
 def to_messages(record: Mapping[str, Any], prompt_field: str) -> list[dict[str, str]]:
@@ -97,8 +99,14 @@ def prepare(cfg: DataConfig, target_dir: Path) -> list[dict[str, Any]]:
         key = json.dumps(messages, sort_keys=True)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        rows.append({"id": str(record.get("id", f"record-{i}")), "messages": key, "prompt_ids": ids,
-                     "split": "eval" if in_eval_split(key, cfg.eval_fraction, cfg.seed) else "train"})
+        rows.append(
+            {
+                "id": str(record.get("id", f"record-{i}")),
+                "messages": key,
+                "prompt_ids": ids,
+                "split": "eval" if in_eval_split(key, cfg.eval_fraction, cfg.seed) else "train",
+            }
+        )
     if not rows:
         raise DataError(f"{cfg.path}: none of {len(records)} records has a '{cfg.prompt_field}' or 'messages' field")
     if cfg.max_prompts is not None:  # cap each split in proportion, keeping the split itself unchanged
@@ -117,9 +125,13 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     eval_ids = sorted(r["id"] for r in rows if r["split"] == "eval")
     (out / "eval_ids.json").write_text(json.dumps(eval_ids))
     lengths = [len(r["prompt_ids"]) for r in rows]
-    return {"num_train": len(rows) - len(eval_ids), "num_eval": len(eval_ids),
-            "eval_ids_sha256": hashlib.sha256(json.dumps(eval_ids).encode()).hexdigest(),
-            "mean_prompt_tokens": round(sum(lengths) / len(lengths), 1), "max_prompt_tokens": max(lengths)}
+    return {
+        "num_train": len(rows) - len(eval_ids),
+        "num_eval": len(eval_ids),
+        "eval_ids_sha256": hashlib.sha256(json.dumps(eval_ids).encode()).hexdigest(),
+        "mean_prompt_tokens": round(sum(lengths) / len(lengths), 1),
+        "max_prompt_tokens": max(lengths),
+    }
 
 
 def load_prompts(output: StageOutput):

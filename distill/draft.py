@@ -3,6 +3,7 @@
 The result is an ordinary HF model dir (config.json, model.safetensors, the target's tokenizer files)
 with the target's vocabulary, so any tool, vLLM included, can open it.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def every_nth_layer(num_target_layers: int, num_layers: int) -> list[int]:
 def chosen_layers(num_target_layers: int, num_layers: int, choice: str) -> list[int]:
     """num_layers of the target's layers: spread evenly (first and last included), the first n or the last n."""
     spread = every_nth_layer(num_target_layers, num_layers)  # also checks num_layers
-    return {"spread": spread, "first": list(range(num_layers)),
-            "last": list(range(num_target_layers - num_layers, num_target_layers))}[choice]
+    return {"spread": spread, "first": list(range(num_layers)), "last": list(range(num_target_layers - num_layers, num_target_layers))}[
+        choice
+    ]
 
 
 def build_from_target(target_dir: Path, out_dir: Path, layers: list[int]) -> Path:

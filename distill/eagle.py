@@ -11,6 +11,7 @@ plus its own earlier steps (the diagonal), exactly the cache an inference step s
 the configured divergence to the target's distribution at position t + j + 1, over response positions,
 weighted by ttt_decay^j.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,10 @@ def resolve_aux_layers(configured: list[int], num_target_layers: int) -> tuple[i
     layers = tuple(configured) or default_aux_layers(num_target_layers)
     bad = [i for i in layers if not 0 <= i < num_target_layers]
     if bad:
-        raise EagleConfigError(f"draft.aux_layers={list(configured)}: {bad} are not layers of the target "
-                               f"(0 to {num_target_layers - 1}); [] picks an early, a middle and a late one")
+        raise EagleConfigError(
+            f"draft.aux_layers={list(configured)}: {bad} are not layers of the target "
+            f"(0 to {num_target_layers - 1}); [] picks an early, a middle and a late one"
+        )
     return layers
 
 
@@ -101,8 +104,9 @@ class UnrolledHead(nn.Module):
         self.head, self.steps, self.decay = head, steps, decay
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
 
-    def forward(self, tokens: Tensor, features: Tensor, target_logits: Tensor, predict: Tensor,
-                loss_fn) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(
+        self, tokens: Tensor, features: Tensor, target_logits: Tensor, predict: Tensor, loss_fn
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """tokens [B, S]; features [B, S, F] (the target's hidden states at each position); target_logits
         [B, S, V_draft] (the target's, over the draft vocabulary); predict [B, S] (positions whose next
         token is a response token). loss_fn(student_logits [N, V'], target_logits [N, V']) -> [N]."""
@@ -115,18 +119,18 @@ class UnrolledHead(nn.Module):
         weights = 0.0
         for j, hidden in enumerate(head.unroll(tokens, features, self.embeddings, self.steps)):
             # step j's entry t predicts the token at t + j + 2 from the target's distribution at t + j + 1
-            wanted = F.pad(predict[:, j + 1:], (0, j))  # [B, E]
-            p = F.pad(target_logits[:, j + 1:], (0, 0, 0, j))[wanted]  # [N, V']
+            wanted = F.pad(predict[:, j + 1 :], (0, j))  # [B, E]
+            p = F.pad(target_logits[:, j + 1 :], (0, 0, 0, j))[wanted]  # [N, V']
             q = head.logits(hidden[wanted])  # [N, V']
             per_position = loss_fn(q, p)
             if j == 0:
                 metrics["tvd_0"] = losses.tvd(*losses.full(q.detach(), p, 1.0)).sum()
-            weight = self.decay ** j
+            weight = self.decay**j
             loss = loss + weight * per_position.mean()
             weights += weight
             # agreement with the token that follows in the data (the target's greedy token for a greedy teacher)
             agree = torch.zeros_like(correct)
-            agree[wanted] = head.vocab[q.argmax(-1)] == F.pad(tokens[:, j + 2:], (0, j + 1))[wanted]
+            agree[wanted] = head.vocab[q.argmax(-1)] == F.pad(tokens[:, j + 2 :], (0, j + 1))[wanted]
             correct = correct & agree
             metrics[f"accepted_{j}"] = (correct & wanted).sum().float()
             metrics[f"drafted_{j}"] = wanted.sum().float()
@@ -144,6 +148,7 @@ def tau_of(metrics: dict[str, float], steps: int) -> dict[str, float]:
 
 class EagleObjective:
     """Training objective of an EAGLE-3 head (see the module's docstring); the target runs online."""
+
     online = True
     packs = False  # the unrolled head's attention spans its row
 
@@ -180,7 +185,7 @@ class EagleObjective:
         totals: dict[str, float] = {}
         loss_sum = 0.0
         for i in range(0, len(rows), self.cfg.batch_size):
-            batch = collate(rows[i:i + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
+            batch = collate(rows[i : i + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
             features, logits = self.target_outputs(target, batch)
             loss, metrics = student(batch.input_ids, features, logits, batch.predict, self.loss_fn)
             loss_sum += loss.item() * metrics["drafted_0"].item()

@@ -4,6 +4,7 @@ One forward per model per batch yields the response-position logits [N, V] of ea
 target at T = 1 is what acceptance measures (alpha = 1 - E[TVD]), and argmax agreement between two
 drafts says how often their greedy proposals coincide.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -14,8 +15,9 @@ from draftsmith.distill import losses
 from draftsmith.distill.train import response_logits
 
 
-def compare_drafts(target, drafts: Sequence, rows: list[dict], batch_size: int, max_seq_len: int,
-                   device: torch.device | str = "cpu") -> dict[str, list[float] | float]:
+def compare_drafts(
+    target, drafts: Sequence, rows: list[dict], batch_size: int, max_seq_len: int, device: torch.device | str = "cpu"
+) -> dict[str, list[float] | float]:
     """Per-token TVD of each draft to the target, and the argmax agreement of the first two drafts."""
     tvd_sums, agree, count = [0.0] * len(drafts), 0, 0
     for batch, (target_logits, *draft_logits) in response_logits([target, *drafts], rows, batch_size, max_seq_len, device):

@@ -4,6 +4,7 @@ Each divergence takes log-probabilities over the same C outcomes: the full vocab
 logits) or the target's top-k tokens plus one bucket for the remaining tail mass (the logit cache).
 TVD is what acceptance measures: a draft token drawn from q is accepted with probability 1 - TVD(p, q).
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,8 +65,7 @@ def bucketed(student_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, te
 
 def full(student_logits: Tensor, target_logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """(log p, log q) over the whole vocabulary, at `temperature`."""
-    return (F.log_softmax(target_logits.float() / temperature, dim=-1),
-            F.log_softmax(student_logits.float() / temperature, dim=-1))
+    return (F.log_softmax(target_logits.float() / temperature, dim=-1), F.log_softmax(student_logits.float() / temperature, dim=-1))
 
 
 def against_logits(name: str, temperature: float, beta: float, compiled: bool = False):
@@ -73,10 +73,12 @@ def against_logits(name: str, temperature: float, beta: float, compiled: bool = 
     the target's argmax) between the two models' logits, over the same columns. compiled: through
     torch.compile, which fuses the float32 upcasts, both log-softmaxes, the divergence and, under autograd,
     its gradient into a few passes over the [N, V] logits instead of one kernel per operation."""
+
     def loss_fn(student_logits: Tensor, target_logits: Tensor) -> Tensor:
         if name == "hard_label":
             return hard_label(student_logits, target_logits.argmax(-1))
         return divergence(name, *full(student_logits, target_logits, temperature), beta)
+
     return torch.compile(loss_fn, dynamic=True) if compiled else loss_fn
 
 
@@ -121,5 +123,9 @@ class _ChunkedMean(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_output / ctx.n
-        return (grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None,
-                (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None, None, None)
+        return (
+            grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None,
+            (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None,
+            None,
+            None,
+        )

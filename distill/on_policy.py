@@ -1,5 +1,6 @@
 """DistillSpec's on-policy data: the draft's own continuations of training prompts, which the target then
 scores (distill.on_policy_fraction)."""
+
 from __future__ import annotations
 
 from typing import Collection
@@ -48,8 +49,9 @@ class DraftSampler:
             dtype = torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype
             with torch.device("meta"):
                 self.runtime = Transformer(args)
-            missing, unexpected = self.runtime.load_state_dict({k: v.to(dtype=dtype, copy=True) for k, v in state.items()},
-                                                               strict=False, assign=True)
+            missing, unexpected = self.runtime.load_state_dict(
+                {k: v.to(dtype=dtype, copy=True) for k, v in state.items()}, strict=False, assign=True
+            )
             if args.tie_word_embeddings:
                 self.runtime.output.weight = self.runtime.tok_embeddings.weight
                 missing = [m for m in missing if m != "output.weight"]
@@ -61,8 +63,9 @@ class DraftSampler:
         seq_len = max(map(len, prompts)) + max(lengths) + 1
         if self.engine is None or self.engine.max_batch_size < len(prompts) or self.engine.max_seq_len < seq_len:
             self.engine = None  # the old engine's graphs and caches go before the new ones are made
-            self.engine = Engine(self.runtime, max_batch_size=len(prompts), max_seq_len=1 << (seq_len - 1).bit_length(),
-                                 compile_blocks=False)
+            self.engine = Engine(
+                self.runtime, max_batch_size=len(prompts), max_seq_len=1 << (seq_len - 1).bit_length(), compile_blocks=False
+            )
         params = [SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed, ignore_eos=True) for n in lengths]
         return [c.tokens for c in self.engine.generate(prompts, params).completions]
 
@@ -75,10 +78,11 @@ class DraftSampler:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, prompt in enumerate(prompts):  # left-padded, as batched generation needs
-            ids[i, width - len(prompt):] = torch.tensor(prompt)
-            mask[i, width - len(prompt):] = 1
-        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(lengths),
-                                  pad_token_id=0, eos_token_id=None)
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(lengths), pad_token_id=0, eos_token_id=None
+        )
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)

@@ -6,6 +6,7 @@ metrics per evaluation), draft_vocab.json (the token ids the draft proposes from
 draft.vocab_size > 0 or for a head). Checkpoints live in the stage's work dir, so a killed run resumes
 where it stopped.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from draftsmith.distill import eagle
 from draftsmith.distill.draft import build_draft
 from draftsmith.distill.teacher import load_teacher
 from draftsmith.distill.tokenizer import adopt_target_tokenizer
-from draftsmith.distill.train import DraftObjective, Distiller
+from draftsmith.distill.train import Distiller, DraftObjective
 from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
@@ -54,16 +55,16 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         if cfg.draft.kind == DraftKind.eagle3 or online or cfg.distill.on_policy_fraction > 0:
             raise
         # a draft model trained from the teacher's logit cache needs the target for held-out TVD only
-        log.warning("distill: the target does not fit %s; training from the teacher's logit cache without it "
-                    "(no held-out TVD)", device)
+        log.warning("distill: the target does not fit %s; training from the teacher's logit cache without it (no held-out TVD)", device)
         target = None
     if cfg.draft.kind == DraftKind.eagle3:
         student, objective = eagle_student(cfg, target, reference, vocab, out / "initial", state.is_main_process)
     else:
         student, objective = draft_student(cfg, target_dir, out / "initial", state, online)
     state.wait_for_everyone()
-    distiller = Distiller(cfg.distill, student, target, objective, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu",
-                          eos=eos_ids_of(target_dir))
+    distiller = Distiller(
+        cfg.distill, student, target, objective, train_rows, eval_rows, out, cfg.seed, cpu=device == "cpu", eos=eos_ids_of(target_dir)
+    )
     result = distiller.train()
     distiller.save_draft(out / "draft")
     if state.is_main_process:
@@ -75,11 +76,19 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         (out / "history.json").write_text(json.dumps(result["history"], indent=2))
     state.wait_for_everyone()
     first, last = result["history"][0], result["history"][-1]
-    return {"kind": cfg.draft.kind.value, "tvd_initial": first.get("eval_tvd"), "tvd_final": last.get("eval_tvd"),
-            "eval_loss_final": last.get("eval_loss"), "train_loss_final": result["final_train_loss"],
-            "train_tokens": result["train_tokens"], "tokens_per_s": round(result["tokens_per_s"], 1),
-            "draft_vocab_size": len(vocab), "draft_vocab_coverage": round(covered, 4),
-            **{k: v for k, v in last.items() if k.startswith(("eval_alpha", "eval_tau"))}, "history": result["history"]}
+    return {
+        "kind": cfg.draft.kind.value,
+        "tvd_initial": first.get("eval_tvd"),
+        "tvd_final": last.get("eval_tvd"),
+        "eval_loss_final": last.get("eval_loss"),
+        "train_loss_final": result["final_train_loss"],
+        "train_tokens": result["train_tokens"],
+        "tokens_per_s": round(result["tokens_per_s"], 1),
+        "draft_vocab_size": len(vocab),
+        "draft_vocab_coverage": round(covered, 4),
+        **{k: v for k, v in last.items() if k.startswith(("eval_alpha", "eval_tau"))},
+        "history": result["history"],
+    }
 
 
 def draft_student(cfg: DraftsmithConfig, target_dir: Path, initial: Path, state, online: bool):
@@ -117,5 +126,4 @@ def with_lora(model, rank: int):
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=modules))
 
 
-STAGE = Stage(name="distill", config_keys=("draft", "distill", "seed"), inputs=("target", "teacher"), run=run,
-              distributed=True)
+STAGE = Stage(name="distill", config_keys=("draft", "distill", "seed"), inputs=("target", "teacher"), run=run, distributed=True)

@@ -9,6 +9,7 @@ the launch's processes by transformers' tensor parallelism (a target larger than
 through transformers' generate; its output is a logit cache that distillation trains from without the
 target.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,20 +33,28 @@ def generate_shard(engine: Engine, batch: list[dict], cfg: TeacherConfig, eos: f
     position, read off the generation's own forwards. Sequences run on past EOS (a finished row costs
     the same in the batch) and are cut after it, so that EOS's own distribution is kept too."""
     temperature = cfg.temperature if sample == 0 else cfg.sample_temperature
-    params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=seed, ignore_eos=True,
-                            top_logprobs=cfg.top_k_logits)
+    params = SamplingParams(
+        temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=seed, ignore_eos=True, top_logprobs=cfg.top_k_logits
+    )
     got = engine.generate([r["prompt_ids"] for r in batch], params)
-    return [response_row(record, sample, c.tokens, eos, c.logprobs.top_tokens if cfg.top_k_logits else None)
-            for record, c in zip(batch, got.completions)]
+    return [
+        response_row(record, sample, c.tokens, eos, c.logprobs.top_tokens if cfg.top_k_logits else None)
+        for record, c in zip(batch, got.completions)
+    ]
 
 
-def response_row(record: dict, sample: int, tokens: list[int], eos: frozenset[int],
-                 top: list[tuple[list[int], list[float]]] | None) -> dict:
+def response_row(
+    record: dict, sample: int, tokens: list[int], eos: frozenset[int], top: list[tuple[list[int], list[float]]] | None
+) -> dict:
     """A teacher row: the response cut after its first EOS, with the top-k (ids, log-probabilities) of
     each of its positions when `top` is given."""
     end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-    row = {"id": record["id"] + (f"#{sample}" if sample else ""), "split": record["split"],
-           "prompt_ids": record["prompt_ids"], "response_ids": tokens[:end]}
+    row = {
+        "id": record["id"] + (f"#{sample}" if sample else ""),
+        "split": record["split"],
+        "prompt_ids": record["prompt_ids"],
+        "response_ids": tokens[:end],
+    }
     if top is not None:
         row["topk_ids"], row["topk_logprobs"] = [ids for ids, _ in top[:end]], [values for _, values in top[:end]]
     return row
@@ -76,8 +85,15 @@ def generate_shard_sharded(model, batch: list[dict], cfg: TeacherConfig, eos: fr
             return scores / temperature if sampled else scores
 
     # temperature 1 and no top-k / top-p: generate adds no processor of its own, which would run before ours
-    config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampled, temperature=1.0 if sampled else None,
-                              top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=sampled,
+        temperature=1.0 if sampled else None,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([Cache()]))
@@ -100,8 +116,10 @@ def load_sharded(target_dir: Path, dtype, device: str):
 
     world = process_rank()[1]
     if world < 2:
-        raise ValueError("distill.teacher.tensor_parallel shards the target across the processes of a torchrun launch: "
-                         "run `torchrun --nproc_per_node N -m draftsmith.pipeline.cli run ...` with N >= 2")
+        raise ValueError(
+            "distill.teacher.tensor_parallel shards the target across the processes of a torchrun launch: "
+            "run `torchrun --nproc_per_node N -m draftsmith.pipeline.cli run ...` with N >= 2"
+        )
     if not dist.is_initialized():
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -133,8 +151,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     shards = out / "shards"
     shards.mkdir(exist_ok=True)
     train = [r for r in prompts if r["split"] == "train"]
-    batches = [(0, prompts[i:i + t.batch_size]) for i in range(0, len(prompts), t.batch_size)]
-    batches += [(s, train[i:i + t.batch_size]) for s in range(1, t.extra_samples + 1) for i in range(0, len(train), t.batch_size)]
+    batches = [(0, prompts[i : i + t.batch_size]) for i in range(0, len(prompts), t.batch_size)]
+    batches += [(s, train[i : i + t.batch_size]) for s in range(1, t.extra_samples + 1) for i in range(0, len(train), t.batch_size)]
     done = {n for n in range(len(batches)) if (shards / f"shard-{n:05d}.arrow").exists()}  # resumed: before any rank writes
     rank, world = process_rank()
     writer = rank == 0 or not t.tensor_parallel  # unsplit, whichever rank holds the stage's lock runs it alone
@@ -163,9 +181,14 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         p.unlink()
     shards.rmdir()
     response_tokens = sum(len(r) for r in table["response_ids"])
-    return {"num_examples": len(table), "response_tokens": response_tokens,
-            "mean_response_tokens": round(response_tokens / len(table), 1), "resumed_shards": len(done),
-            "top_k_logits": t.top_k_logits, "target_split_across": world if t.tensor_parallel else 1}
+    return {
+        "num_examples": len(table),
+        "response_tokens": response_tokens,
+        "mean_response_tokens": round(response_tokens / len(table), 1),
+        "resumed_shards": len(done),
+        "top_k_logits": t.top_k_logits,
+        "target_split_across": world if t.tensor_parallel else 1,
+    }
 
 
 def load_teacher(output: StageOutput):
@@ -174,5 +197,10 @@ def load_teacher(output: StageOutput):
     return datasets.load_from_disk(str(output.path / TEACHER_DIR))
 
 
-STAGE = Stage(name="teacher", config_keys=("distill.teacher", "seed"), inputs=("target", "data"), run=run,
-              distributed=lambda cfg: cfg.distill.teacher.tensor_parallel)
+STAGE = Stage(
+    name="teacher",
+    config_keys=("distill.teacher", "seed"),
+    inputs=("target", "data"),
+    run=run,
+    distributed=lambda cfg: cfg.distill.teacher.tensor_parallel,
+)

@@ -4,14 +4,24 @@
 compares vocabulary size, every special token id, the chat template and a sample round trip, and
 raises TokenizerMismatch naming what differs. Quantize and publish call it again on their outputs.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 SAMPLE = "Hello! How do I dispute a $1,234.56 charge?\n\tÜber naïve café 🙂 <|im_start|>user 12345"
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -58,8 +68,11 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
     elif draft.decode(d_ids) != target.decode(t_ids):
         problems.append("the sample text decodes differently")
     if problems:
-        raise TokenizerMismatch(f"draft {draft_dir} does not share the target's tokenizer: " + "; ".join(problems)
-                                + " (draft.init=from_target builds a draft on the target's tokenizer)")
+        raise TokenizerMismatch(
+            f"draft {draft_dir} does not share the target's tokenizer: "
+            + "; ".join(problems)
+            + " (draft.init=from_target builds a draft on the target's tokenizer)"
+        )
 
 
 def adopt_target_tokenizer(target_dir: Path, draft_dir: Path) -> None:

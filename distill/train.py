@@ -6,6 +6,7 @@ data position) from which a killed run resumes exactly. Data order is a seeded p
 so a resumed run sees the same batches an uninterrupted one would. Several processes
 (`accelerate launch`) split each global batch between them (DDP).
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,7 @@ class Batch:
 
     def inputs(self) -> dict[str, torch.Tensor | None]:
         """The model's keyword arguments for these rows (no cache: a packed row needs none to be seen as packed)."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids,
-                "use_cache": False}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids, "use_cache": False}
 
 
 def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -86,11 +86,11 @@ def collate(rows: list[dict], max_seq_len: int, device: torch.device, pack: bool
         offset = 0
         for i in members:  # labels in the order of `predict`, row-major
             seq, (start, end) = sequences[i], spans[i]
-            input_ids[b, offset:offset + len(seq)] = seq
-            attention_mask[b, offset:offset + len(seq)] = 1
-            position_ids[b, offset:offset + len(seq)] = np.arange(len(seq))
-            predict[b, offset + start:offset + end] = True
-            labels.extend(seq[start + 1:end + 1])
+            input_ids[b, offset : offset + len(seq)] = seq
+            attention_mask[b, offset : offset + len(seq)] = 1
+            position_ids[b, offset : offset + len(seq)] = np.arange(len(seq))
+            predict[b, offset + start : offset + end] = True
+            labels.extend(seq[start + 1 : end + 1])
             sources.append(rows[i])
             counts.append(end - start)
             if cached:
@@ -100,18 +100,27 @@ def collate(rows: list[dict], max_seq_len: int, device: torch.device, pack: bool
         position_ids[b, offset:] = np.arange(width - offset)  # a packed row's padding: a sequence of its own
     has_cache = bool(topk_ids)
     to = lambda array: to_device(torch.from_numpy(array), device)
-    return Batch(to(input_ids), None if pack else to(attention_mask), to(predict), to(np.array(labels, dtype=np.int64)),
-                 to_device(topk_ids, device) if has_cache else None,
-                 to_device(topk_logprobs, device) if has_cache else None,
-                 to(position_ids) if pack else None, to(np.flatnonzero(predict)), tuple(sources), tuple(counts))
+    return Batch(
+        to(input_ids),
+        None if pack else to(attention_mask),
+        to(predict),
+        to(np.array(labels, dtype=np.int64)),
+        to_device(topk_ids, device) if has_cache else None,
+        to_device(topk_logprobs, device) if has_cache else None,
+        to(position_ids) if pack else None,
+        to(np.flatnonzero(predict)),
+        tuple(sources),
+        tuple(counts),
+    )
 
 
 @torch.no_grad()
-def response_logits(models: Sequence, rows: list[dict], batch_size: int, max_seq_len: int,
-                    device: torch.device | str) -> Iterator[tuple[Batch, list[torch.Tensor]]]:
+def response_logits(
+    models: Sequence, rows: list[dict], batch_size: int, max_seq_len: int, device: torch.device | str
+) -> Iterator[tuple[Batch, list[torch.Tensor]]]:
     """For each batch of rows: the batch and each model's logits [N, V] at its response positions."""
     for i in range(0, len(rows), batch_size):
-        batch = collate(rows[i:i + batch_size], max_seq_len, torch.device(device))
+        batch = collate(rows[i : i + batch_size], max_seq_len, torch.device(device))
         yield batch, [predicted_logits(m, batch).float() for m in models]
 
 
@@ -167,6 +176,7 @@ class KeptStates:
 class DraftObjective:
     """A standalone draft model against the target's distribution: online target logits, or the
     teacher's top-k logit cache when the rows carry one."""
+
     packs = True  # its rows may share sequences (distill.pack_sequences)
 
     def __init__(self, cfg: DistillConfig, online: bool):
@@ -200,8 +210,9 @@ class DraftObjective:
         with record_function("chunked loss"):
             return losses.chunked_mean(hidden, head.weight, per_position, self.cfg.loss_chunk_size)
 
-    def position_loss(self, student_logits: torch.Tensor, batch: Batch, target_logits: torch.Tensor | None,
-                      rows: slice = slice(None)) -> torch.Tensor:
+    def position_loss(
+        self, student_logits: torch.Tensor, batch: Batch, target_logits: torch.Tensor | None, rows: slice = slice(None)
+    ) -> torch.Tensor:
         """Per-position loss [n] of the configured kind at the batch's response positions `rows`, from the
         cache or from online target logits (those rows' only)."""
         cfg = self.cfg
@@ -229,7 +240,7 @@ class DraftObjective:
         self.kept.keep(rows)
         total_tvd, total_loss, count = 0.0, 0.0, 0
         for start in range(0, len(rows), self.cfg.batch_size):
-            batch = collate(rows[start:start + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
+            batch = collate(rows[start : start + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
             target_logits = target.get_output_embeddings()(self.kept.hidden(target, batch)).float()
             logits = predicted_logits(student, batch).float()
             total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
@@ -251,7 +262,6 @@ def compile_layers(model: torch.nn.Module) -> None:
     change shape every step. Other models (an EAGLE-3 head unrolled for training) compile whole. In place
     either way: the optimizer and checkpoints see the module's own parameters and names."""
     import torch._dynamo
-
     from transformers import PreTrainedModel
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # modes x models x dtypes
@@ -266,6 +276,7 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
             return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
     return factor
 
 
@@ -277,9 +288,20 @@ class Distiller:
     """The training loop; `objective` says what the student is and what it learns (DraftObjective here,
     distill.eagle.EagleObjective for EAGLE-3 heads): its loss on a batch, held-out metrics, saving."""
 
-    def __init__(self, cfg: DistillConfig, student: torch.nn.Module, target, objective, train_rows: list[dict],
-                 eval_rows: list[dict], work_dir: Path, seed: int, cpu: bool = False,
-                 log: Callable[[int, dict[str, float]], None] = lambda step, m: None, eos: Collection[int] = ()):
+    def __init__(
+        self,
+        cfg: DistillConfig,
+        student: torch.nn.Module,
+        target,
+        objective,
+        train_rows: list[dict],
+        eval_rows: list[dict],
+        work_dir: Path,
+        seed: int,
+        cpu: bool = False,
+        log: Callable[[int, dict[str, float]], None] = lambda step, m: None,
+        eos: Collection[int] = (),
+    ):
         from accelerate import Accelerator
 
         fits = lambda row: len(row["prompt_ids"]) < cfg.max_seq_len and row["response_ids"]  # something to learn
@@ -321,8 +343,7 @@ class Distiller:
         draft = self.accelerator.unwrap_model(self.draft)
         draft.eval()
         seed = hash((self.seed, step, micro, self.accelerator.process_index)) % 2**63
-        sampled = self.sampler(draft, [r["prompt_ids"] for r in rows[:n]], [len(r["response_ids"]) for r in rows[:n]],
-                               self.eos, seed)
+        sampled = self.sampler(draft, [r["prompt_ids"] for r in rows[:n]], [len(r["response_ids"]) for r in rows[:n]], self.eos, seed)
         draft.train()
         return [{"prompt_ids": r["prompt_ids"], "response_ids": s} for r, s in zip(rows[:n], sampled)] + rows[n:]
 
@@ -335,10 +356,10 @@ class Distiller:
         while len(order) - offset < per_step:  # crossing an epoch boundary
             epoch += 1
             order = order + epoch_order(len(self.train_rows), self.seed, epoch)
-        rows = [self.train_rows[i] for i in order[offset:offset + per_step]]
-        mine = rows[self.accelerator.process_index::self.accelerator.num_processes]
+        rows = [self.train_rows[i] for i in order[offset : offset + per_step]]
+        mine = rows[self.accelerator.process_index :: self.accelerator.num_processes]
         size = max(1, len(mine) // self.cfg.grad_accum_steps)
-        return [mine[i:i + size] for i in range(0, len(mine), size)][: self.cfg.grad_accum_steps]
+        return [mine[i : i + size] for i in range(0, len(mine), size)][: self.cfg.grad_accum_steps]
 
     def evaluate(self) -> dict[str, float]:
         """The objective's held-out metrics (nothing without the target or held-out rows)."""
@@ -366,8 +387,13 @@ class Distiller:
         train_seconds, tokens_at_start = 0.0, tokens  # optimizer steps only, not evaluation or checkpoints
         loss_value, reported_at = float("nan"), time.time()
         pending: tuple[int, torch.Tensor, int, float] | None = None  # a step whose loss is read once the next is queued
-        columns = [TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                   TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn()]
+        columns = [
+            TextColumn("distill"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} steps"),
+            TextColumn("loss {task.fields[loss]:.4f}"),
+            TimeRemainingColumn(),
+        ]
         with Progress(*columns, disable=not self.accelerator.is_main_process) as bar:
             task = bar.add_task("distill", total=cfg.max_steps, completed=step, loss=float("nan"))
 
@@ -408,12 +434,21 @@ class Distiller:
                     history.append({"step": step, "train_loss": loss_value, **self.evaluate()})
                     self.log(step, history[-1])
                     if self.accelerator.is_main_process:
-                        checkpoint.save(self.work_dir, self.accelerator.unwrap_model(self.draft), self.optimizer,
-                                        self.scheduler, {"step": step, "history": history, "tokens": tokens})
+                        checkpoint.save(
+                            self.work_dir,
+                            self.accelerator.unwrap_model(self.draft),
+                            self.optimizer,
+                            self.scheduler,
+                            {"step": step, "history": history, "tokens": tokens},
+                        )
                     self.accelerator.wait_for_everyone()
                     reported_at = time.time()
-        return {"history": history, "train_tokens": tokens, "final_train_loss": loss_value,
-                "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0}
+        return {
+            "history": history,
+            "train_tokens": tokens,
+            "final_train_loss": loss_value,
+            "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0,
+        }
 
     def save_draft(self, out_dir: Path) -> None:
         """The trained student, as the objective saves it (an HF dir; an EAGLE-3 head in speculators format)."""

@@ -16,6 +16,7 @@ teacher-forced prediction at u; an EAGLE-3 head's is its unrolled step j - 1 at 
 feeds on its own hidden states, so it is unrolled from every position at once, serve/eagle.py);
 prompt lookup's is a function of the text so far.
 """
+
 from __future__ import annotations
 
 import time
@@ -53,7 +54,7 @@ def references(engine: Engine, prompts: Sequence[Sequence[int]], params: Samplin
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.eos_token_ids))
     refs = []
     for i in range(0, len(prompts), engine.max_batch_size):
-        for c in engine.generate(prompts[i:i + engine.max_batch_size], longer).completions:
+        for c in engine.generate(prompts[i : i + engine.max_batch_size], longer).completions:
             stop = next((m for m, t in enumerate(c.tokens, 1) if t in stops), None)  # the m-th token ends it
             refs.append(Reference(list(c.prompt_tokens), c.tokens, min(n, stop or n) - 1))
     return refs
@@ -68,17 +69,18 @@ def replay(accept: np.ndarray, end: int, k: int) -> tuple[float, float, np.ndarr
     for m in range(1, end + 1):
         if reach[m] == 0:
             continue
-        at_least = np.cumprod(accept[m, 1:k + 1])  # P(n >= j), j = 1..K
+        at_least = np.cumprod(accept[m, 1 : k + 1])  # P(n >= j), j = 1..K
         steps += reach[m]
         by_position += reach[m] * at_least
         accepted += reach[m] * at_least.sum()
-        reach[m + 1:m + k + 2] += reach[m] * (np.append(1.0, at_least) - np.append(at_least, 0.0))  # P(n = 0..K)
+        reach[m + 1 : m + k + 2] += reach[m] * (np.append(1.0, at_least) - np.append(at_least, 0.0))  # P(n = 0..K)
     return steps, accepted, by_position
 
 
 @dataclass
 class Computed:
     """Expected engine counters of one proposer at one temperature and K over the references."""
+
     proposer: str
     temperature: float
     k: int
@@ -95,9 +97,17 @@ class Computed:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:
-        return {"proposer": self.proposer, "temperature": self.temperature, "k": self.k, "acceptance_rate": self.acceptance_rate,
-                "tau": self.tau, "acceptance_by_position": [a / self.steps if self.steps else 0.0 for a in self.by_position],
-                "num_drafts": self.steps, "num_draft_tokens": self.k * self.steps, "num_accepted_tokens": self.accepted}
+        return {
+            "proposer": self.proposer,
+            "temperature": self.temperature,
+            "k": self.k,
+            "acceptance_rate": self.acceptance_rate,
+            "tau": self.tau,
+            "acceptance_by_position": [a / self.steps if self.steps else 0.0 for a in self.by_position],
+            "num_drafts": self.steps,
+            "num_draft_tokens": self.k * self.steps,
+            "num_accepted_tokens": self.accepted,
+        }
 
 
 def computed_rows(name: str, temperature: float, accepts: list[np.ndarray], refs: list[Reference], k_max: int) -> list[Computed]:
@@ -113,16 +123,18 @@ def computed_rows(name: str, temperature: float, accepts: list[np.ndarray], refs
 
 # -- per-draft acceptance of each proposer ----------------------------------------------------------------
 
+
 def _padded(refs: list[Reference], device: torch.device) -> tuple[Tensor, Tensor]:
     longest = max(len(r.sequence) for r in refs)
     tokens = torch.zeros(len(refs), longest, dtype=torch.long, device=device)
     for i, r in enumerate(refs):
-        tokens[i, :len(r.sequence)] = torch.tensor(r.sequence, device=device)
+        tokens[i, : len(r.sequence)] = torch.tensor(r.sequence, device=device)
     return tokens, torch.arange(longest, device=device).expand(len(refs), longest)
 
 
-def _agreement(proposal_logits: Tensor, vocab: Tensor | None, vocab_size: int, target_probs: Tensor | None,
-               following: Tensor, rows: RowSampling) -> Tensor:
+def _agreement(
+    proposal_logits: Tensor, vocab: Tensor | None, vocab_size: int, target_probs: Tensor | None, following: Tensor, rows: RowSampling
+) -> Tensor:
     """Per position [B, T]: at T = 0 (target_probs None) whether the proposal (argmax) equals the following
     token; at T > 0 the probability that a draw from the proposer's distribution is accepted,
     sum_v min(p(v), q(v))."""
@@ -137,8 +149,9 @@ Proposal = Transformer | EagleHead | None  # None: prompt lookup
 
 
 @torch.inference_mode()
-def acceptance(target: Transformer, proposers: dict[str, Proposal], refs: list[Reference], params: SamplingParams,
-               k_max: int, batch_size: int) -> dict[str, list[np.ndarray]]:
+def acceptance(
+    target: Transformer, proposers: dict[str, Proposal], refs: list[Reference], params: SamplingParams, k_max: int, batch_size: int
+) -> dict[str, list[np.ndarray]]:
     """accept[m, j] (shape [end + 1, K_max + 1]) per reference and proposer: one forward of the target per
     batch of references (at T > 0, or for the hidden states a head reads) and one of each model."""
     device, vocab_size = target.output.weight.device, target.args.vocab_size
@@ -146,7 +159,7 @@ def acceptance(target: Transformer, proposers: dict[str, Proposal], refs: list[R
     heads = {name: p for name, p in proposers.items() if isinstance(p, EagleHead)}
     layers = tuple(sorted({i for head in heads.values() for i in head.aux_layers}))
     for i in range(0, len(refs), batch_size):
-        chunk = refs[i:i + batch_size]
+        chunk = refs[i : i + batch_size]
         tokens, positions = _padded(chunk, device)
         B, S = tokens.shape
         rows = RowSampling.of([params] * B, device)
@@ -165,14 +178,16 @@ def acceptance(target: Transformer, proposers: dict[str, Proposal], refs: list[R
                 steps = []
                 for j, hidden in enumerate(proposer.unroll(tokens, head_features, target.tok_embeddings, k_max)):
                     # step j's entry t is verified against the target at t + j + 1, whose token is at t + j + 2
-                    shift = lambda x: None if x is None else torch.cat([x[:, j + 1:], x[:, :j + 1]], dim=1)[:, :S - 1]
-                    steps.append(_agreement(proposer.logits(hidden), proposer.vocab, vocab_size, shift(target_probs),
-                                            shift(following), rows))  # [B, E]
+                    shift = lambda x: None if x is None else torch.cat([x[:, j + 1 :], x[:, : j + 1]], dim=1)[:, : S - 1]
+                    steps.append(
+                        _agreement(proposer.logits(hidden), proposer.vocab, vocab_size, shift(target_probs), shift(following), rows)
+                    )  # [B, E]
                 per_step = torch.stack(steps, dim=1).cpu().numpy()  # [B, K_max, E]
             else:
                 proposer.setup_cache(B, S)
-                per_position = _agreement(proposer(tokens, positions), proposer.vocab, vocab_size, target_probs, following,
-                                          rows).cpu().numpy()  # [B, S]
+                per_position = (
+                    _agreement(proposer(tokens, positions), proposer.vocab, vocab_size, target_probs, following, rows).cpu().numpy()
+                )  # [B, S]
             for b, ref in enumerate(chunk):
                 if proposer is None:
                     out[name].append(_lookup_accept(ref, k_max, None if target_probs is None else target_probs[b]))
@@ -193,15 +208,16 @@ def _lookup_accept(ref: Reference, k_max: int, target_probs: Tensor | None, max_
     sequence, L = ref.sequence, len(ref.prompt)
     accept = np.zeros((ref.end + 1, k_max + 1))
     for m in range(1, ref.end + 1):
-        drafts = lookup(sequence[:L + m], k_max, max_ngram, min_ngram)
+        drafts = lookup(sequence[: L + m], k_max, max_ngram, min_ngram)
         if target_probs is None:
-            accept[m, 1:] = [d == t for d, t in zip(drafts, sequence[L + m:L + m + k_max])]
+            accept[m, 1:] = [d == t for d, t in zip(drafts, sequence[L + m : L + m + k_max])]
         else:
             accept[m, 1:] = [target_probs[L + m + j - 2, d].item() for j, d in enumerate(drafts, 1)]
     return accept
 
 
 # -- the engine, as the cross-check and the speed measurement ------------------------------------------
+
 
 @dataclass
 class Measurement:
@@ -219,17 +235,26 @@ class Measurement:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {"proposer": self.proposer, "temperature": self.temperature, "k": self.k,
-                "acceptance_rate": self.stats.acceptance_rate, "tau": self.stats.tau,
-                "acceptance_by_position": self.stats.acceptance_by_position,
-                "num_drafts": self.stats.num_drafts, "num_draft_tokens": self.stats.num_draft_tokens,
-                "num_accepted_tokens": self.stats.num_accepted_tokens, "tokens": self.tokens,
-                "target_steps": self.target_steps, "seconds": round(self.seconds, 4),
-                "tokens_per_s": round(self.tokens_per_s, 2)}
+        return {
+            "proposer": self.proposer,
+            "temperature": self.temperature,
+            "k": self.k,
+            "acceptance_rate": self.stats.acceptance_rate,
+            "tau": self.stats.tau,
+            "acceptance_by_position": self.stats.acceptance_by_position,
+            "num_drafts": self.stats.num_drafts,
+            "num_draft_tokens": self.stats.num_draft_tokens,
+            "num_accepted_tokens": self.stats.num_accepted_tokens,
+            "tokens": self.tokens,
+            "target_steps": self.target_steps,
+            "seconds": round(self.seconds, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
 
 
-def measure(engine: Engine, name: str, prompts: Sequence[Sequence[int]], params: SamplingParams, k: int,
-            proposer: Proposer | None = None) -> Measurement:
+def measure(
+    engine: Engine, name: str, prompts: Sequence[Sequence[int]], params: SamplingParams, k: int, proposer: Proposer | None = None
+) -> Measurement:
     """Every prompt through the continuous-batching scheduler at a fixed K, engine.max_batch_size rows at
     once, as a server runs them: a request joins where another finishes. (Batches that each waited for
     their slowest row measured 1.12x at batch 32 on the H200 where the head's tau predicted 2.14x.)"""

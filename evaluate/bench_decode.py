@@ -10,6 +10,7 @@ decoding with each draft (a draft model or an EAGLE-3 head) at each K. Then at b
 the prompts cycled in order (request i gets prompt i mod len(prompts)), plain and speculative with
 adaptive K <= max K for each draft.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,12 @@ class BenchRow:
         return 1000 * self.tokens / self.tokens_per_s / self.target_steps
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "spread": list(self.spread),
-                "ms_per_target_step": self.ms_per_target_step}
+        return {
+            **asdict(self),
+            "tokens_per_s": self.tokens_per_s,
+            "spread": list(self.spread),
+            "ms_per_target_step": self.ms_per_target_step,
+        }
 
 
 def _sync(device: str) -> None:
@@ -71,12 +76,18 @@ def chat_prompts(target_dir: Path, chats: Sequence[list[dict]]) -> list[list[int
     return [list(i["input_ids"] if hasattr(i, "keys") else i) for i in ids]
 
 
-def timed(method: str, run: Callable[[], tuple[list[list[int]], int, SpecStats]], repeats: int, device: str,
-          speculative: bool) -> tuple[BenchRow, list[list[int]]]:
+def timed(
+    method: str, run: Callable[[], tuple[list[list[int]], int, SpecStats]], repeats: int, device: str, speculative: bool
+) -> tuple[BenchRow, list[list[int]]]:
     """A warm-up run, then `repeats` timed runs of run() -> (outputs, target steps, spec stats)."""
     outputs, steps, stats = run()
-    row = BenchRow(method, sum(len(o) for o in outputs), steps, tau=stats.tau if speculative else None,
-                   acceptance_rate=stats.acceptance_rate if speculative else None)
+    row = BenchRow(
+        method,
+        sum(len(o) for o in outputs),
+        steps,
+        tau=stats.tau if speculative else None,
+        acceptance_rate=stats.acceptance_rate if speculative else None,
+    )
     for _ in range(repeats):
         _sync(device)
         started = time.perf_counter()
@@ -86,8 +97,9 @@ def timed(method: str, run: Callable[[], tuple[list[list[int]], int, SpecStats]]
     return row, outputs
 
 
-def bench_transformers(target_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: str, repeats: int,
-                       assistant_dir: Path | None = None) -> BenchRow:
+def bench_transformers(
+    target_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: str, repeats: int, assistant_dir: Path | None = None
+) -> BenchRow:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).to(device).eval()
@@ -97,15 +109,16 @@ def bench_transformers(target_dir: Path, prompts: list[list[int]], new_tokens: i
     settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
 
     def run():
-        outputs = [model.generate(torch.tensor([p], device=device), **settings)[0, len(p):].tolist() for p in prompts]
+        outputs = [model.generate(torch.tensor([p], device=device), **settings)[0, len(p) :].tolist() for p in prompts]
         return outputs, sum(len(o) for o in outputs), SpecStats()
 
     name = "transformers assisted" if assistant_dir else "transformers generate"
     return timed(name, run, repeats, device, False)[0]
 
 
-def bench_engine(engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, repeats: int,
-                 device: str) -> tuple[BenchRow, list[list[int]]]:
+def bench_engine(
+    engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, repeats: int, device: str
+) -> tuple[BenchRow, list[list[int]]]:
     """Batch 1, prompt after prompt."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
@@ -119,8 +132,9 @@ def bench_engine(engine: Engine, method: str, prompts: list[list[int]], new_toke
     return timed(method, run, repeats, device, k > 0)
 
 
-def bench_batch(engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, adaptive: bool,
-                requests: int, repeats: int, device: str) -> tuple[BenchRow, list[list[int]]]:
+def bench_batch(
+    engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, adaptive: bool, requests: int, repeats: int, device: str
+) -> tuple[BenchRow, list[list[int]]]:
     """`requests` requests (the prompts, cycled) through the continuous-batching scheduler."""
     scheduler = Scheduler(engine, k, adaptive=adaptive)
     # step costs for adaptive K at every batch bucket (on a GPU: the steps' CUDA graphs, compiled): the batch
@@ -144,10 +158,21 @@ def draft_names(drafts: Sequence[Path]) -> list[str]:
     return [f"{kind}{sum(k == kind for k in kinds[:i]) + 1}" if kinds.count(kind) > 1 else kind for i, kind in enumerate(kinds)]
 
 
-def run_bench(target_dir: Path, drafts: Sequence[Path], prompts: list[list[int]], *, new_tokens: int = 256,
-              ks: tuple[int, ...] = (2, 4, 6), device: str = "cuda", dtype: str = "bfloat16", repeats: int = 3,
-              with_transformers: bool = False, with_assisted: bool = False, with_eager: bool = False,
-              batch: int = 16) -> list[BenchRow]:
+def run_bench(
+    target_dir: Path,
+    drafts: Sequence[Path],
+    prompts: list[list[int]],
+    *,
+    new_tokens: int = 256,
+    ks: tuple[int, ...] = (2, 4, 6),
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    repeats: int = 3,
+    with_transformers: bool = False,
+    with_assisted: bool = False,
+    with_eager: bool = False,
+    batch: int = 16,
+) -> list[BenchRow]:
     max_seq_len = max(len(p) for p in prompts) + new_tokens + max(ks) + 8
     rows: list[BenchRow] = []
     if with_transformers:
@@ -165,8 +190,15 @@ def run_bench(target_dir: Path, drafts: Sequence[Path], prompts: list[list[int]]
             engine = Engine(target, max_seq_len=max_seq_len, cuda_graphs=graph, compile_blocks=False, eos_token_ids=eos)
             rows.append(bench_engine(engine, method, prompts, new_tokens, 0, repeats, device)[0])
     mode = "graphs+compile" if graphs else "eager"
-    row, plain = bench_engine(Engine(target, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos),
-                              f"plain, {mode}", prompts, new_tokens, 0, repeats, device)
+    row, plain = bench_engine(
+        Engine(target, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos),
+        f"plain, {mode}",
+        prompts,
+        new_tokens,
+        0,
+        repeats,
+        device,
+    )
     rows.append(row)
     for name, draft in models.items():
         engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
@@ -177,21 +209,35 @@ def run_bench(target_dir: Path, drafts: Sequence[Path], prompts: list[list[int]]
     if batch > 1:
         requests = 4 * batch
         # as draftsmith serve runs: CUDA graphs and compiled blocks
-        engine_of = lambda draft=None: Engine(target, draft, max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=graphs,
-                                              eos_token_ids=eos)
+        engine_of = lambda draft=None: Engine(
+            target, draft, max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos
+        )
         row, plain_batch = bench_batch(engine_of(), f"plain, batch {batch}", prompts, new_tokens, 0, False, requests, repeats, device)
         rows.append(row)
         for name, draft in models.items():
-            row, tokens = bench_batch(engine_of(draft), f"{name} adaptive K<={max(ks)}, batch {batch}", prompts, new_tokens,
-                                      max(ks), True, requests, repeats, device)
+            row, tokens = bench_batch(
+                engine_of(draft),
+                f"{name} adaptive K<={max(ks)}, batch {batch}",
+                prompts,
+                new_tokens,
+                max(ks),
+                True,
+                requests,
+                repeats,
+                device,
+            )
             row.matches_plain = tokens == plain_batch
             rows.append(row)
     return rows
 
 
 def environment(device: str) -> dict:
-    info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-            "python": platform.python_version(), "device": device}
+    info = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+    }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     else:

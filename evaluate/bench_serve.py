@@ -13,6 +13,7 @@ settings) with the same number of requests always in flight: each level gains th
 and the server's share of it. With repeats, the levels run that many rounds after one warm-up and
 `median_rows` gives each level's medians and the ratio's spread.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,14 @@ class Sample:
 
 
 async def stream_one(client, url: str, model: str, messages: list[dict], max_tokens: int, headers: dict) -> Sample:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     sample, first_at, done = Sample(), None, False
     try:
@@ -45,7 +52,7 @@ async def stream_one(client, url: str, model: str, messages: list[dict], max_tok
                 done = done or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     return Sample(error=str(chunk["error"]))
                 if chunk.get("usage"):
@@ -62,8 +69,9 @@ async def stream_one(client, url: str, model: str, messages: list[dict], max_tok
     return sample
 
 
-async def run_level(url: str, model: str, prompts: Sequence[list[dict]], concurrency: int, max_tokens: int,
-                    duration: float, api_key: str | None) -> dict:
+async def run_level(
+    url: str, model: str, prompts: Sequence[list[dict]], concurrency: int, max_tokens: int, duration: float, api_key: str | None
+) -> dict:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -72,6 +80,7 @@ async def run_level(url: str, model: str, prompts: Sequence[list[dict]], concurr
     started = time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
         async def worker(w: int) -> None:
             i = w
             while time.perf_counter() < deadline:
@@ -83,11 +92,19 @@ async def run_level(url: str, model: str, prompts: Sequence[list[dict]], concurr
     ok = [s for s in samples if s.error is None]
     pct = lambda values, q: round(float(np.percentile(values, q)) * 1000, 2) if values else None
     ttft, tpot = [s.ttft for s in ok if s.ttft is not None], [s.tpot for s in ok if s.tpot is not None]
-    return {"concurrency": concurrency, "requests": len(samples), "errors": len(samples) - len(ok),
-            "first_error": next((s.error for s in samples if s.error), None),
-            "output_tokens": sum(s.tokens for s in ok), "seconds": round(wall, 2),
-            "tokens_per_s": round(sum(s.tokens for s in ok) / wall, 1),
-            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99)}
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "first_error": next((s.error for s in samples if s.error), None),
+        "output_tokens": sum(s.tokens for s in ok),
+        "seconds": round(wall, 2),
+        "tokens_per_s": round(sum(s.tokens for s in ok) / wall, 1),
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p99_ms": pct(ttft, 99),
+        "tpot_p50_ms": pct(tpot, 50),
+        "tpot_p99_ms": pct(tpot, 99),
+    }
 
 
 def model_of(url: str, api_key: str | None) -> str:
@@ -97,8 +114,15 @@ def model_of(url: str, api_key: str | None) -> str:
     return httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
-def bench_serve(url: str, prompts: Sequence[list[dict]], concurrencies: Sequence[int] = (1, 4, 16, 64), max_tokens: int = 256,
-                duration: float = 30.0, api_key: str | None = None, model: str | None = None) -> list[dict]:
+def bench_serve(
+    url: str,
+    prompts: Sequence[list[dict]],
+    concurrencies: Sequence[int] = (1, 4, 16, 64),
+    max_tokens: int = 256,
+    duration: float = 30.0,
+    api_key: str | None = None,
+    model: str | None = None,
+) -> list[dict]:
     """One row per concurrency level (see the module docstring)."""
     if not prompts:
         raise ValueError("no prompts to send")
@@ -113,9 +137,9 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
     requests still running at the end are waited for."""
     import threading
 
+    from draftsmith.serve.protocol import ChatRequest
     from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.scheduler import Request
-    from draftsmith.serve.protocol import ChatRequest
 
     ids = [server.prompt_ids(ChatRequest(messages=m))[0] for m in prompts]  # as the server tokenizes them
     params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
@@ -149,9 +173,18 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
     return {"engine_requests": len(done), "engine_tokens_per_s": round(tokens / wall, 1)}
 
 
-def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequence[int], max_tokens: int, duration: float,
-                   device: str = "auto", dtype: str = "bfloat16", max_model_len: int = 2048, max_batch_size: int = 16,
-                   repeats: int = 1) -> list[dict]:
+def compare_engine(
+    bundle,
+    prompts: Sequence[list[dict]],
+    concurrencies: Sequence[int],
+    max_tokens: int,
+    duration: float,
+    device: str = "auto",
+    dtype: str = "bfloat16",
+    max_model_len: int = 2048,
+    max_batch_size: int = 16,
+    repeats: int = 1,
+) -> list[dict]:
     """Server rows (as bench_serve) for `draftsmith serve <bundle>` run in this process, each with the
     engine's tokens/s at the same concurrency, measured right after it, and the ratio server / engine;
     `repeats` rounds over the levels after one warm-up (the row's `repeat` says which)."""
@@ -185,7 +218,9 @@ def compare_engine(bundle, prompts: Sequence[list[dict]], concurrencies: Sequenc
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
             for repeat in range(1, repeats + 1):
                 for concurrency in concurrencies:
-                    row = clients.submit(bench_serve, url, prompts, [concurrency], max_tokens, duration, None, server.model_name).result()[0]
+                    row = clients.submit(bench_serve, url, prompts, [concurrency], max_tokens, duration, None, server.model_name).result()[
+                        0
+                    ]
                     row.update(engine_level(server, prompts, concurrency, max_tokens, duration), repeat=repeat)
                     row["server_over_engine"] = round(row["tokens_per_s"] / row["engine_tokens_per_s"], 3)
                     rows.append(row)
@@ -202,13 +237,23 @@ def median_rows(rows: Sequence[dict]) -> list[dict]:
     summary = []
     for concurrency in levels:
         runs = [r for r in rows if r["concurrency"] == concurrency]
+
         def median(key: str) -> float | None:
             values = [r[key] for r in runs if r[key] is not None]
             return round(float(np.median(values)), 3) if values else None
 
         ratios = [r["server_over_engine"] for r in runs]
-        summary.append({"concurrency": concurrency, "runs": len(runs), "tokens_per_s": median("tokens_per_s"),
-                        "engine_tokens_per_s": median("engine_tokens_per_s"), "server_over_engine": median("server_over_engine"),
-                        "ratio_low": min(ratios), "ratio_high": max(ratios), "ttft_p50_ms": median("ttft_p50_ms"),
-                        "ttft_p99_ms": median("ttft_p99_ms")})
+        summary.append(
+            {
+                "concurrency": concurrency,
+                "runs": len(runs),
+                "tokens_per_s": median("tokens_per_s"),
+                "engine_tokens_per_s": median("engine_tokens_per_s"),
+                "server_over_engine": median("server_over_engine"),
+                "ratio_low": min(ratios),
+                "ratio_high": max(ratios),
+                "ttft_p50_ms": median("ttft_p50_ms"),
+                "ttft_p99_ms": median("ttft_p99_ms"),
+            }
+        )
     return summary

@@ -9,6 +9,7 @@ an alpha), the speedup a draft of that acceptance would give at that shape is pr
 tau(K) x plain step / speculative step. The weights' bytes over the device's memory bandwidth bound a
 plain step from below; the ratio is printed too.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -24,24 +25,81 @@ from draftsmith.serve.model import ModelArgs, Transformer
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.stats import expected_tokens
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 SHAPES: dict[str, dict[str, Any]] = {  # the configs of public checkpoints, as their config.json say
-    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072, tie_word_embeddings=False),
-    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                       max_position_embeddings=32768, tie_word_embeddings=False),
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                     max_position_embeddings=40960, tie_word_embeddings=False),
-    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,
-                         max_position_embeddings=8192, tie_word_embeddings=True),
-    "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-                 max_position_embeddings=1024, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_ROPE,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -120,8 +178,19 @@ def bandwidth_floor_ms(model: Transformer, bandwidth_gb_s: float) -> float:
     return weight_bytes / (bandwidth_gb_s * 1e9) * 1000
 
 
-def run_shape(name: str, batches: list[int], ks: list[int], draft_layers: int, draft_vocab: int, tau: dict[int, float],
-              device: str, dtype: torch.dtype, new_tokens: int, prompt_tokens: int, repeats: int) -> list[ShapeRow]:
+def run_shape(
+    name: str,
+    batches: list[int],
+    ks: list[int],
+    draft_layers: int,
+    draft_vocab: int,
+    tau: dict[int, float],
+    device: str,
+    dtype: torch.dtype,
+    new_tokens: int,
+    prompt_tokens: int,
+    repeats: int,
+) -> list[ShapeRow]:
     from draftsmith.evaluate.cost import time_forward
 
     config = SHAPES[name]
@@ -137,8 +206,10 @@ def run_shape(name: str, batches: list[int], ks: list[int], draft_layers: int, d
             ms = [time_forward(plain.target_forward, b, tokens, plain.device, repeats=20, start=prompt_tokens) for _ in range(repeats)]
             rows.append(ShapeRow(name, f"verify {tokens} tokens", b, tokens - 1, statistics.median(ms), (min(ms), max(ms))))
     del plain
-    for method, draft in ((f"draft model {draft_layers} layers", lambda: build(config, dtype, device, draft_layers)),
-                          ("EAGLE-3 head", lambda: build_head(config, dtype, device, draft_vocab))):
+    for method, draft in (
+        (f"draft model {draft_layers} layers", lambda: build(config, dtype, device, draft_layers)),
+        ("EAGLE-3 head", lambda: build_head(config, dtype, device, draft_vocab)),
+    ):
         engine = Engine(target, draft(), max_batch_size=max(batches), max_seq_len=seq)
         for b in batches:
             for k in ks:

@@ -6,6 +6,7 @@ the device at the evaluation batch size; plain decoding emits one token per plai
 speedup is tau(K) x plain step / speculative step. (Where only alpha is known, adaptive K in the runtime
 uses serve.stats.expected_tokens.)
 """
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,7 @@ import torch
 from draftsmith.serve.speculative import Forward
 
 
-def time_forward(forward: Forward, batch_size: int, num_tokens: int, device: torch.device, repeats: int = 5,
-                 start: int = 16) -> float:
+def time_forward(forward: Forward, batch_size: int, num_tokens: int, device: torch.device, repeats: int = 5, start: int = 16) -> float:
     """Median milliseconds of one forward over `num_tokens` tokens per row at positions start.. (after a
     warm-up call)."""
     tokens = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)
@@ -47,6 +47,8 @@ def choose_k(speedups: dict[int, float], source: str = "predicted") -> tuple[int
     k = max(sorted(speedups), key=lambda k: speedups[k])
     why = f"K={k} has the best {source} speedup over plain decoding ({speedups[k]:.2f}x)"
     if speedups[k] < 1.0:
-        why += "; every K was slower than plain decoding at this batch size and device: serve with speculation " \
-               "off there until the draft's acceptance is higher"
+        why += (
+            "; every K was slower than plain decoding at this batch size and device: serve with speculation "
+            "off there until the draft's acceptance is higher"
+        )
     return k, why

@@ -1,5 +1,6 @@
 """The evaluation report: what the evaluate stage measured, typed (EvalReport), written as eval.json (the
 glossary of serve/stats.py names its fields), PNG plots and a markdown table."""
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ FORMAT_VERSION = 3  # 3: rows' accepted / drafted is "acceptance_rate" (it was "
 @dataclass
 class Speed:
     """Whole-step costs and speeds at the evaluation batch size (milliseconds, tokens/s)."""
+
     batch_size: int
     plain_step_ms: float
     step_ms: dict[str, dict[int, float]]  # proposer -> K -> ms
@@ -28,10 +30,17 @@ class Speed:
 
     def as_json(self) -> dict:
         by_k = lambda table: {name: {str(k): round(v, 4) for k, v in row.items()} for name, row in table.items()}
-        return {"batch_size": self.batch_size, "plain_step_ms": round(self.plain_step_ms, 4), "step_ms": by_k(self.step_ms),
-                "predicted_speedup": by_k(self.predicted_speedup), "measured_speedup": by_k(self.measured_speedup),
-                "disturbed": self.disturbed, "runs_tokens_per_s": {n: [round(v, 2) for v in r] for n, r in self.runs_tokens_per_s.items()},
-                "plain_tokens_per_s": round(self.plain_tokens_per_s, 2), "tokens_per_s": round(self.tokens_per_s, 2)}
+        return {
+            "batch_size": self.batch_size,
+            "plain_step_ms": round(self.plain_step_ms, 4),
+            "step_ms": by_k(self.step_ms),
+            "predicted_speedup": by_k(self.predicted_speedup),
+            "measured_speedup": by_k(self.measured_speedup),
+            "disturbed": self.disturbed,
+            "runs_tokens_per_s": {n: [round(v, 2) for v in r] for n, r in self.runs_tokens_per_s.items()},
+            "plain_tokens_per_s": round(self.plain_tokens_per_s, 2),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
 
 
 @dataclass
@@ -60,17 +69,42 @@ class EvalReport:
         """eval.json."""
         shipped, plain = self.engine[1], self.engine[0]
         computed_tau = self.rows(self.shipped)[self.num_speculative_tokens].tau
-        dynamic = {key: ({str(b): ({str(k): round(v, 4) for k, v in row.items()} if isinstance(row, dict) else row)
-                          for b, row in value.items()} if isinstance(value, dict) else value) for key, value in self.dynamic_k.items()}
-        return {"format_version": FORMAT_VERSION, "device": self.device, "dtype": self.dtype, "eval_split": self.eval_split,
-                "temperatures": self.temperatures, "seed": self.seed, "max_speculative_tokens": self.max_speculative_tokens,
-                "shipped": self.shipped, "kind": self.kind, "proposers": self.proposers, "draft_vocab_size": self.draft_vocab_size,
-                "acceptance": [r.as_dict() for r in self.acceptance], "engine": [plain.as_dict(), shipped.as_dict()],
-                "cross_check": {"proposer": self.shipped, "k": self.num_speculative_tokens, "temperature": 0.0,
-                                "computed_tau": computed_tau, "measured_tau": shipped.stats.tau,
-                                "difference": shipped.stats.tau - computed_tau, "outputs_equal_plain": shipped.outputs == plain.outputs},
-                "speed": self.speed.as_json(), "num_speculative_tokens": self.num_speculative_tokens, "why": self.why,
-                "dynamic_k": dynamic}
+        dynamic = {
+            key: (
+                {str(b): ({str(k): round(v, 4) for k, v in row.items()} if isinstance(row, dict) else row) for b, row in value.items()}
+                if isinstance(value, dict)
+                else value
+            )
+            for key, value in self.dynamic_k.items()
+        }
+        return {
+            "format_version": FORMAT_VERSION,
+            "device": self.device,
+            "dtype": self.dtype,
+            "eval_split": self.eval_split,
+            "temperatures": self.temperatures,
+            "seed": self.seed,
+            "max_speculative_tokens": self.max_speculative_tokens,
+            "shipped": self.shipped,
+            "kind": self.kind,
+            "proposers": self.proposers,
+            "draft_vocab_size": self.draft_vocab_size,
+            "acceptance": [r.as_dict() for r in self.acceptance],
+            "engine": [plain.as_dict(), shipped.as_dict()],
+            "cross_check": {
+                "proposer": self.shipped,
+                "k": self.num_speculative_tokens,
+                "temperature": 0.0,
+                "computed_tau": computed_tau,
+                "measured_tau": shipped.stats.tau,
+                "difference": shipped.stats.tau - computed_tau,
+                "outputs_equal_plain": shipped.outputs == plain.outputs,
+            },
+            "speed": self.speed.as_json(),
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "why": self.why,
+            "dynamic_k": dynamic,
+        }
 
     def metrics(self) -> dict[str, Any]:
         """The stage's metrics (stage.json, MLflow): alpha, the chosen K's tau and acceptance rate, tau at K = 5
@@ -78,14 +112,21 @@ class EvalReport:
         rows, k = self.rows(self.shipped), self.num_speculative_tokens
         tau5 = {name: self.rows(name)[5].tau for name in self.proposers if self.max_speculative_tokens >= 5}
         measured = self.engine[1].stats.tau
-        return {"num_speculative_tokens": k, "alpha": rows[1].acceptance_rate, "tau": rows[k].tau,
-                "acceptance_rate": rows[k].acceptance_rate, "shipped": self.shipped, "kind": self.kind,
-                **{f"tau_k5_{name}": v for name, v in tau5.items()},
-                "tau_k5_distilled_over_initial": tau5[self.shipped] / tau5["initial"] if tau5 else None,
-                "predicted_speedup": self.speed.predicted_speedup[self.shipped][k],
-                "measured_speedup": self.speed.measured_speedup[self.shipped][k],
-                "measured_tau": measured, "tau_difference": measured - rows[k].tau,
-                "k_schedule": json.dumps(self.dynamic_k["schedule"])}
+        return {
+            "num_speculative_tokens": k,
+            "alpha": rows[1].acceptance_rate,
+            "tau": rows[k].tau,
+            "acceptance_rate": rows[k].acceptance_rate,
+            "shipped": self.shipped,
+            "kind": self.kind,
+            **{f"tau_k5_{name}": v for name, v in tau5.items()},
+            "tau_k5_distilled_over_initial": tau5[self.shipped] / tau5["initial"] if tau5 else None,
+            "predicted_speedup": self.speed.predicted_speedup[self.shipped][k],
+            "measured_speedup": self.speed.measured_speedup[self.shipped][k],
+            "measured_tau": measured,
+            "tau_difference": measured - rows[k].tau,
+            "k_schedule": json.dumps(self.dynamic_k["schedule"]),
+        }
 
 
 def upgraded(report: dict) -> dict:
@@ -94,8 +135,11 @@ def upgraded(report: dict) -> dict:
     if report.get("format_version", 0) >= FORMAT_VERSION:
         return report
     rename = lambda row: {("acceptance_rate" if key == "alpha" else key): value for key, value in row.items()}
-    return {**report, "acceptance": [rename(r) for r in report.get("acceptance", [])],
-            "engine": [rename(r) for r in report.get("engine", [])]}
+    return {
+        **report,
+        "acceptance": [rename(r) for r in report.get("acceptance", [])],
+        "engine": [rename(r) for r in report.get("engine", [])],
+    }
 
 
 def read_report(path: Path) -> dict:
@@ -155,8 +199,7 @@ def write_plots(report: dict, out: Path) -> None:
         ax.plot([int(k)], [value], "*", markersize=14, color="black", label=f"measured, engine ({shipped})")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.axvline(report["num_speculative_tokens"], color="green", linewidth=0.8, label="chosen K")
-    ax.set(xlabel="K", ylabel="speedup over plain decoding",
-           title=f"Speedup at T=0 on {report['device']} (batch {speed['batch_size']})")
+    ax.set(xlabel="K", ylabel="speedup over plain decoding", title=f"Speedup at T=0 on {report['device']} (batch {speed['batch_size']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / PLOTS[2], dpi=120)
@@ -168,13 +211,20 @@ def markdown(report: dict) -> str:
     max_k = report["max_speculative_tokens"]
     ks = range(1, max_k + 1)
     chosen_k = report["num_speculative_tokens"]
-    lines = [f"Held-out prompts: {report['eval_split']['num_prompts']}, {report['eval_split']['max_new_tokens']} new "
-             f"tokens each, on {report['device']}. tau = tokens per target step (bonus included); alpha = the share "
-             f"of drafted tokens the target keeps at K=1; kept = accepted / drafted at the chosen K (vLLM's acceptance "
-             f"rate, which falls with K).", ""]
+    lines = [
+        f"Held-out prompts: {report['eval_split']['num_prompts']}, {report['eval_split']['max_new_tokens']} new "
+        f"tokens each, on {report['device']}. tau = tokens per target step (bonus included); alpha = the share "
+        f"of drafted tokens the target keeps at K=1; kept = accepted / drafted at the chosen K (vLLM's acceptance "
+        f"rate, which falls with K).",
+        "",
+    ]
     for t in report["temperatures"]:
-        lines += [f"**T = {t:g}**", "", "| proposer | " + " | ".join(f"tau K={k}" for k in ks) + f" | alpha | kept K={chosen_k} |",
-                  "|---" * (max_k + 3) + "|"]
+        lines += [
+            f"**T = {t:g}**",
+            "",
+            "| proposer | " + " | ".join(f"tau K={k}" for k in ks) + f" | alpha | kept K={chosen_k} |",
+            "|---" * (max_k + 3) + "|",
+        ]
         for name in report["proposers"]:
             rows = rows_of(report, name, t)
             taus = " | ".join(f"{rows[k]['tau']:.3f}" if k in rows else "" for k in ks)
@@ -184,18 +234,29 @@ def markdown(report: dict) -> str:
     k, check, speed = report["num_speculative_tokens"], report["cross_check"], report["speed"]
     runs = speed.get("runs_tokens_per_s", {}).get("plain", [])
     of_runs = f" (medians of {len(runs)} runs each, plain and speculative in turns)" if len(runs) > 1 else ""
-    lines += [f"Chosen num_speculative_tokens: **{k}** ({report['why']}).", "",
-              f"Computed from one teacher-forced pass per proposer (expected values at T > 0). The engine at K={k}, T=0: "
-              f"tau {check['measured_tau']:.4f} against the computed {check['computed_tau']:.4f} (difference "
-              f"{check['difference']:+.4f}); {speed['tokens_per_s']:.1f} tokens/s against plain decoding's "
-              f"{speed['plain_tokens_per_s']:.1f}{of_runs}: **{speed['measured_speedup'][report['shipped']][str(k)]:.2f}x** "
-              f"at batch {speed['batch_size']} on {report['device']}."
-              + (" The measured speedup came out above tau, which bounds it (the machine was busy with something "
-                 "else): the speedup reported is tau." if speed.get("disturbed") else ""), ""]
+    lines += [
+        f"Chosen num_speculative_tokens: **{k}** ({report['why']}).",
+        "",
+        f"Computed from one teacher-forced pass per proposer (expected values at T > 0). The engine at K={k}, T=0: "
+        f"tau {check['measured_tau']:.4f} against the computed {check['computed_tau']:.4f} (difference "
+        f"{check['difference']:+.4f}); {speed['tokens_per_s']:.1f} tokens/s against plain decoding's "
+        f"{speed['plain_tokens_per_s']:.1f}{of_runs}: **{speed['measured_speedup'][report['shipped']][str(k)]:.2f}x** "
+        f"at batch {speed['batch_size']} on {report['device']}."
+        + (
+            " The measured speedup came out above tau, which bounds it (the machine was busy with something "
+            "else): the speedup reported is tau."
+            if speed.get("disturbed")
+            else ""
+        ),
+        "",
+    ]
     if dynamic := report.get("dynamic_k"):
         best = ", ".join(f"{b}: K={k}" for b, k in dynamic["best_k"].items())
-        lines += [f"The K that pays by batch size (predicted from the step costs at each; 0: plain decoding): {best}. "
-                  f"vLLM's schedule (num_speculative_tokens_per_batch_size): {dynamic['schedule']}.", ""]
+        lines += [
+            f"The K that pays by batch size (predicted from the step costs at each; 0: plain decoding): {best}. "
+            f"vLLM's schedule (num_speculative_tokens_per_batch_size): {dynamic['schedule']}.",
+            "",
+        ]
     if "gates" not in report:  # judged later, against the thresholds of the run that publishes
         return "\n".join(lines) + "\n"
     lines += ["| gate | threshold | value | passed |", "|---|---|---|---|"]

@@ -8,6 +8,7 @@ when the shipped one is quantized, the initial draft before distillation, and pr
 are judged after the stage, cached or not, against the configured thresholds: a failed gate fails the
 job (and so blocks publishing) unless publish.override_gates=true.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ from typing import Any, Mapping
 import torch
 
 from draftsmith.distill.data import load_prompts
-from draftsmith.evaluate import cost, report as reports
+from draftsmith.evaluate import cost
+from draftsmith.evaluate import report as reports
 from draftsmith.evaluate.acceptance import Computed, Measurement, acceptance, computed_rows, measure, references
 from draftsmith.evaluate.report import EvalReport, Speed, read_report
 from draftsmith.pipeline.config import DraftsmithConfig, EvaluateConfig
@@ -71,13 +73,23 @@ def gates(e: EvaluateConfig, report: dict) -> dict:
     quantized, its tau loss against bf16 at the chosen K and T = 0."""
     shipped, k = report["shipped"], report["num_speculative_tokens"]
     alpha = reports.rows_of(report, shipped, 0.0)[1]["acceptance_rate"]
-    result: dict[str, Any] = {"min_alpha": {"threshold": e.min_alpha, "value": alpha, "passed": alpha >= e.min_alpha,
-                                            "what": f"alpha of {shipped} (a draft kept, K=1, T=0)"}}
+    result: dict[str, Any] = {
+        "min_alpha": {
+            "threshold": e.min_alpha,
+            "value": alpha,
+            "passed": alpha >= e.min_alpha,
+            "what": f"alpha of {shipped} (a draft kept, K=1, T=0)",
+        }
+    }
     if shipped == "w4a16":
         bf16, w4 = (reports.rows_of(report, name, 0.0)[k]["tau"] for name in ("bf16", "w4a16"))
         loss = (bf16 - w4) / bf16
-        result["max_tau_loss"] = {"threshold": e.max_tau_loss, "value": loss, "passed": loss <= e.max_tau_loss,
-                                  "what": f"relative tau loss of the W4A16 draft against bf16 at K={k}, T=0"}
+        result["max_tau_loss"] = {
+            "threshold": e.max_tau_loss,
+            "value": loss,
+            "passed": loss <= e.max_tau_loss,
+            "what": f"relative tau loss of the W4A16 draft against bf16 at K={k}, T=0",
+        }
     else:
         result["max_tau_loss"] = {"threshold": e.max_tau_loss, "value": None, "passed": True, "what": "no quantized draft"}
     result["passed"] = all(g["passed"] for g in result.values())
@@ -93,6 +105,7 @@ def with_gates(cfg: DraftsmithConfig, evaluation: StageOutput) -> dict:
 @dataclass
 class Evaluation:
     """What every step reads: the settings, the target on its device, and the held-out prompts."""
+
     e: EvaluateConfig
     device: str
     dtype: torch.dtype
@@ -104,8 +117,15 @@ class Evaluation:
         """An engine over the target and `draft`, with CUDA graphs on a GPU and no torch.compile: compiling every
         proposer's engine costs more than it tells."""
         longest = max(len(p) for p in self.prompts) + self.e.max_new_tokens + self.e.max_speculative_tokens + 2
-        return Engine(self.target, draft, max_batch_size=max_batch_size or self.e.batch_size, max_seq_len=longest,
-                      compile_blocks=False, eos_token_ids=eos_ids_of(self.target_dir), detokenize=detokenizer_of(self.target_dir))
+        return Engine(
+            self.target,
+            draft,
+            max_batch_size=max_batch_size or self.e.batch_size,
+            max_seq_len=longest,
+            compile_blocks=False,
+            eos_token_ids=eos_ids_of(self.target_dir),
+            detokenize=detokenizer_of(self.target_dir),
+        )
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, seed=self.e.seed, max_new_tokens=self.e.max_new_tokens)
@@ -122,8 +142,7 @@ def held_out_prompts(e: EvaluateConfig, data: StageOutput) -> list[list[int]]:
     return prompts
 
 
-def computed_acceptance(ev: Evaluation, plain: Engine, drafts: dict[str, Any], temperatures: list[float], progress,
-                        task) -> list[Computed]:
+def computed_acceptance(ev: Evaluation, plain: Engine, drafts: dict[str, Any], temperatures: list[float], progress, task) -> list[Computed]:
     """Every proposer's acceptance at every K and temperature, from the target's continuations (plain
     decoding) and one teacher-forced pass each."""
     k_max, rows = ev.e.max_speculative_tokens, []
@@ -158,8 +177,9 @@ def step_costs(ev: Evaluation, drafts: dict[str, Any], shipped: str, progress, t
     return step_ms, shipped_engine
 
 
-def engine_speed(ev: Evaluation, plain: Engine, shipped: str, shipped_engine: Engine,
-                 k: int) -> tuple[Measurement, Measurement, list, bool, float]:
+def engine_speed(
+    ev: Evaluation, plain: Engine, shipped: str, shipped_engine: Engine, k: int
+) -> tuple[Measurement, Measurement, list, bool, float]:
     """Plain decoding and the shipped draft at K through the continuous-batching scheduler, in turns,
     evaluate.speed_repeats times each: (median plain run, median speculative run, every run, disturbed, speedup).
     The medians: one slow run (the machine busy with something else) moves neither."""
@@ -167,8 +187,10 @@ def engine_speed(ev: Evaluation, plain: Engine, shipped: str, shipped_engine: En
     if ev.device == "cuda":  # a first, untimed pass captures every shape's CUDA graphs (prefills, steps)
         measure(plain, "plain", ev.prompts, greedy, 0)
         measure(shipped_engine, shipped, ev.prompts, greedy, k)
-    runs = [(measure(plain, "plain", ev.prompts, greedy, 0), measure(shipped_engine, shipped, ev.prompts, greedy, k))
-            for _ in range(ev.e.speed_repeats)]
+    runs = [
+        (measure(plain, "plain", ev.prompts, greedy, 0), measure(shipped_engine, shipped, ev.prompts, greedy, k))
+        for _ in range(ev.e.speed_repeats)
+    ]
     median_run = lambda i: sorted((r[i] for r in runs), key=lambda m: m.tokens_per_s)[(len(runs) - 1) // 2]
     plain_run, shipped_run = median_run(0), median_run(1)
     speedup = shipped_run.tokens_per_s / plain_run.tokens_per_s
@@ -176,8 +198,12 @@ def engine_speed(ev: Evaluation, plain: Engine, shipped: str, shipped_engine: En
     # took the machine during the runs
     disturbed = k > 0 and speedup > shipped_run.stats.tau
     if disturbed:
-        log.warning("evaluate: measured speedup %.2fx is above tau %.3f, which bounds it: the machine was busy "
-                    "with something else; reporting tau as the speedup", speedup, shipped_run.stats.tau)
+        log.warning(
+            "evaluate: measured speedup %.2fx is above tau %.3f, which bounds it: the machine was busy "
+            "with something else; reporting tau as the speedup",
+            speedup,
+            shipped_run.stats.tau,
+        )
         speedup = shipped_run.stats.tau
     return plain_run, shipped_run, runs, disturbed, speedup
 
@@ -235,20 +261,44 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         dynamic = k_by_batch_size(ev, drafts[shipped], {0: 1.0, **tau(shipped)}, k)
         progress.advance(task)
     data = inputs["data"]
-    speed = Speed(e.batch_size, plain_ms, step_ms, predicted, {shipped: {k: speedup}}, disturbed,
-                  {"plain": [r[0].tokens_per_s for r in runs], shipped: [r[1].tokens_per_s for r in runs]},
-                  plain_run.tokens_per_s, shipped_run.tokens_per_s)
+    speed = Speed(
+        e.batch_size,
+        plain_ms,
+        step_ms,
+        predicted,
+        {shipped: {k: speedup}},
+        disturbed,
+        {"plain": [r[0].tokens_per_s for r in runs], shipped: [r[1].tokens_per_s for r in runs]},
+        plain_run.tokens_per_s,
+        shipped_run.tokens_per_s,
+    )
     report = EvalReport(
-        device=device, dtype=str(dtype).removeprefix("torch."),
-        eval_split={"data_fingerprint": data.fingerprint, "eval_ids_sha256": data.metrics.get("eval_ids_sha256"),
-                    "num_prompts": len(ev.prompts), "max_new_tokens": e.max_new_tokens},
-        temperatures=temperatures, seed=e.seed, max_speculative_tokens=e.max_speculative_tokens, shipped=shipped,
+        device=device,
+        dtype=str(dtype).removeprefix("torch."),
+        eval_split={
+            "data_fingerprint": data.fingerprint,
+            "eval_ids_sha256": data.metrics.get("eval_ids_sha256"),
+            "num_prompts": len(ev.prompts),
+            "max_new_tokens": e.max_new_tokens,
+        },
+        temperatures=temperatures,
+        seed=e.seed,
+        max_speculative_tokens=e.max_speculative_tokens,
+        shipped=shipped,
         kind=draft_kind(inputs["distill"]),
         # where each came from, relative to the run root: the report travels in the bundle
-        proposers={name: str(dirs[name].relative_to(inputs["distill"].path.parents[1])) if name in dirs
-                   else "n-gram lookup in the sequence so far" for name in names},
-        draft_vocab_size=len(vocab) if vocab else None, acceptance=rows, engine=[plain_run, shipped_run],
-        speed=speed, num_speculative_tokens=k, why=why, dynamic_k=dynamic)
+        proposers={
+            name: str(dirs[name].relative_to(inputs["distill"].path.parents[1])) if name in dirs else "n-gram lookup in the sequence so far"
+            for name in names
+        },
+        draft_vocab_size=len(vocab) if vocab else None,
+        acceptance=rows,
+        engine=[plain_run, shipped_run],
+        speed=speed,
+        num_speculative_tokens=k,
+        why=why,
+        dynamic_k=dynamic,
+    )
     reports.write_all(report.as_json(), out)
     # what vLLM decodes to check the bundle (pipeline/vllm_check.py): the same token ids, the same length
     (out / EVAL_PROMPTS).write_text(json.dumps({"prompt_token_ids": ev.prompts, "max_new_tokens": e.max_new_tokens}))
@@ -257,16 +307,27 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
 
 def check_gates(cfg: DraftsmithConfig, output: StageOutput) -> None:
     gate = with_gates(cfg, output)["gates"]
-    failed = [f"{name} ({g['what']}: {g['value']:.4f} against {g['threshold']})" for name, g in gate.items()
-              if isinstance(g, dict) and not g["passed"]]
+    failed = [
+        f"{name} ({g['what']}: {g['value']:.4f} against {g['threshold']})"
+        for name, g in gate.items()
+        if isinstance(g, dict) and not g["passed"]
+    ]
     if failed and not cfg.publish.override_gates:
-        raise GateFailed("evaluation gate failed: " + "; ".join(failed) + f". Report: {output.path / 'eval.md'}. "
-                         "Publishing is blocked; distil a better draft, relax evaluate.min_alpha / evaluate.max_tau_loss, "
-                         "or publish anyway with publish.override_gates=true")
+        raise GateFailed(
+            "evaluation gate failed: " + "; ".join(failed) + f". Report: {output.path / 'eval.md'}. "
+            "Publishing is blocked; distil a better draft, relax evaluate.min_alpha / evaluate.max_tau_loss, "
+            "or publish anyway with publish.override_gates=true"
+        )
 
 
 # the fingerprint: every setting the stage reads (the gates are judged after it), and the device it ran on
-STAGE = Stage(name="evaluate", config_keys=("evaluate", "device", "target.dtype"), excluded_keys=GATE_KEYS,
-              identity=lambda cfg: {"device": pick_device(cfg.device.value)},
-              inputs=("target", "data", "distill", "quantize"), run=run, check=check_gates,
-              artifacts=("eval.json", "eval.md", *reports.PLOTS))
+STAGE = Stage(
+    name="evaluate",
+    config_keys=("evaluate", "device", "target.dtype"),
+    excluded_keys=GATE_KEYS,
+    identity=lambda cfg: {"device": pick_device(cfg.device.value)},
+    inputs=("target", "data", "distill", "quantize"),
+    run=run,
+    check=check_gates,
+    artifacts=("eval.json", "eval.md", *reports.PLOTS),
+)

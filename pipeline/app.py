@@ -1,4 +1,5 @@
 """`draftsmith run`: the pipeline as a Hydra app (one job per run, one per combination with -m)."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-import hydra
 from draftsmith.pipeline.config import ConfigError, register_schema, validate
 from draftsmith.pipeline.graph import PIPELINE, STAGES, run_pipeline
 from draftsmith.pipeline.stage import STAGE_JSON, StageError, StageOutput, process_rank
@@ -60,10 +61,11 @@ def _summary(outputs: list[StageOutput], root) -> Table:
     for column in ("stage", "status", "seconds", "output", "metrics"):
         table.add_column(column, overflow="fold")
     for out in outputs:
-        metrics = "\n".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                             for k, v in out.metrics.items() if not isinstance(v, (list, dict)))
+        metrics = "\n".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.metrics.items() if not isinstance(v, (list, dict))
+        )
         table.add_row(out.name, _status(out), f"{out.record.get('seconds', 0):.1f}", out.path.name[:8], metrics)
-    for name in PIPELINE[len(outputs):]:
+    for name in PIPELINE[len(outputs) :]:
         table.add_row(name, "[dim]skipped (stop_after)[/dim]", "", "", "")
     return table
 
@@ -100,16 +102,16 @@ def run_job(cfg: DictConfig) -> list[StageOutput]:
     root.mkdir(parents=True, exist_ok=True)
     job = None
     if typed.tracking.enabled and process_rank()[0] == 0:  # one rank reports for a distributed job
-        job = JobRun(tracking_uri(typed.tracking.uri, typed.paths.root), typed.experiment, _job_name(cfg),
-                     config_params(cfg), root)
+        job = JobRun(tracking_uri(typed.tracking.uri, typed.paths.root), typed.experiment, _job_name(cfg), config_params(cfg), root)
 
     done: list[StageOutput] = []
 
     def on_stage(output: StageOutput) -> None:
         done.append(output)
         took = f"{output.record.get('seconds', 0.0):.1f} s"
-        log.info("stage %s: %s (%s)", output.name, f"{_status(output)}, took {took} then" if output.cached else f"ran in {took}",
-                 output.path)
+        log.info(
+            "stage %s: %s (%s)", output.name, f"{_status(output)}, took {took} then" if output.cached else f"ran in {took}", output.path
+        )
         if job:
             job.log_stage(output.name, output.fingerprint, output.cached, output.metrics)
             for name in (STAGE_JSON, *STAGES[output.name].artifacts):
@@ -158,8 +160,14 @@ def _print_published(outputs: dict[str, StageOutput]) -> None:
     bundle, m = bundle_of(outputs["publish"]), outputs["publish"].metrics
     target = load_reference(outputs["target"])["path"]
     log.info("bundle: %s", bundle)
-    log.info("alpha=%.4f (K=1) tau=%.4f num_speculative_tokens=%d measured speedup %.2fx quantization=%s", m["alpha"], m["tau"],
-             m["num_speculative_tokens"], m["measured_speedup"], m["quantization"])
+    log.info(
+        "alpha=%.4f (K=1) tau=%.4f num_speculative_tokens=%d measured speedup %.2fx quantization=%s",
+        m["alpha"],
+        m["tau"],
+        m["num_speculative_tokens"],
+        m["measured_speedup"],
+        m["quantization"],
+    )
     spec = json.loads((bundle / "speculative_config.json").read_text())
     log.info("%s", vllm_command(bundle, target, spec, m["max_model_len"]))
     registered = outputs.get("registry")

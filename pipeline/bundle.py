@@ -14,6 +14,7 @@ tensor shapes; a head's weights, loaded), that a draft model shares the target's
 vocabulary size or that a head's shape fits the target's, the target's files against target.json
 (weights hashed unless quick), and speculative_config against vLLM's constraints.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,10 @@ def bundle_files(bundle: Path) -> list[str]:
 
 
 def write_manifest(bundle: Path) -> dict:
-    manifest = {"format_version": FORMAT_VERSION,
-                "files": {name: {"sha256": sha256_file(bundle / name), "size": (bundle / name).stat().st_size}
-                          for name in bundle_files(bundle)}}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "files": {name: {"sha256": sha256_file(bundle / name), "size": (bundle / name).stat().st_size} for name in bundle_files(bundle)},
+    }
     (bundle / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
 
@@ -89,8 +91,11 @@ def target_dir_of(bundle: Path, target: str | Path | None = None) -> Path:
 
 
 def _manifest_problems(bundle: Path) -> list[str]:
-    problems = [f"{p.relative_to(bundle)} is a symbolic link: a bundle holds regular files only"
-                for p in sorted(bundle.rglob("*")) if p.is_symlink()]
+    problems = [
+        f"{p.relative_to(bundle)} is a symbolic link: a bundle holds regular files only"
+        for p in sorted(bundle.rglob("*"))
+        if p.is_symlink()
+    ]
     if not (bundle / MANIFEST).is_file():
         return problems + [f"{MANIFEST} is missing: not a draftsmith bundle, or publish did not finish"]
     manifest = read_json(bundle / MANIFEST, problems)
@@ -100,7 +105,7 @@ def _manifest_problems(bundle: Path) -> list[str]:
         return problems + [f"manifest format_version {manifest.get('format_version')} != {FORMAT_VERSION}"]
     listed = manifest.get("files")
     if not isinstance(listed, dict):
-        return problems + ["manifest.json has no \"files\" table"]
+        return problems + ['manifest.json has no "files" table']
     present = set(bundle_files(bundle))
     problems += [f"missing file: {name}" for name in sorted(set(listed) - present)]
     problems += [f"extra file not in the manifest: {name}" for name in sorted(present - set(listed))]
@@ -115,8 +120,10 @@ def _target_problems(bundle: Path, target: Path, quick: bool) -> list[str]:
     reference = read_json(bundle / TARGET_JSON, [], TARGET_JSON) if (bundle / TARGET_JSON).is_file() else None
     if not (target / "config.json").is_file():
         named = f" (target.json names {reference.get('hub_id') or reference.get('name_or_path')})" if reference else ""
-        return [f"target {target} is not a model dir{named}: pass the target with --target PATH_OR_HUB_ID, "
-                "or publish with publish.include_target=true to ship a copy inside the bundle"]
+        return [
+            f"target {target} is not a model dir{named}: pass the target with --target PATH_OR_HUB_ID, "
+            "or publish with publish.include_target=true to ship a copy inside the bundle"
+        ]
     if reference is None:
         return []
     recorded = {name: digest for name, digest in reference.get("sha256", {}).items() if name in IDENTITY_FILES}
@@ -152,27 +159,37 @@ def _speculative_problems(bundle: Path, target_config: dict) -> list[str]:
     if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
         problems.append(f"speculative_config num_speculative_tokens={k!r}: vLLM needs a positive integer")
     elif k > MAX_SPECULATIVE_TOKENS or (context and k + 2 > context):
-        problems.append(f"speculative_config num_speculative_tokens={k}: at most {MAX_SPECULATIVE_TOKENS}, and a step of "
-                        f"K + 1 tokens must leave room in the context ({context} tokens)")
+        problems.append(
+            f"speculative_config num_speculative_tokens={k}: at most {MAX_SPECULATIVE_TOKENS}, and a step of "
+            f"K + 1 tokens must leave room in the context ({context} tokens)"
+        )
     problems += _schedule_problems(spec.get("num_speculative_tokens_per_batch_size"), k)
     if (bundle / str(spec.get("model", ""))).resolve() != (bundle / "draft").resolve():
         problems.append(f"speculative_config model {spec.get('model')!r} is not the bundle's draft/ dir")
     if method == EAGLE3:
         return problems + _head_problems(bundle / "draft", target_config)
     if draft_config.get("vocab_size") != target_config.get("vocab_size"):
-        problems.append(f"draft vocab size {draft_config.get('vocab_size')} != target {target_config.get('vocab_size')}: "
-                        "vLLM refuses a draft with another vocabulary (distill.draft.init=from_target keeps it equal)")
+        problems.append(
+            f"draft vocab size {draft_config.get('vocab_size')} != target {target_config.get('vocab_size')}: "
+            "vLLM refuses a draft with another vocabulary (distill.draft.init=from_target keeps it equal)"
+        )
     draft_len, target_len = draft_config.get("max_position_embeddings"), target_config.get("max_position_embeddings")
     if draft_len and target_len and draft_len > target_len:
-        problems.append(f"draft max_position_embeddings {draft_len} > target's {target_len}: vLLM caps max_model_len "
-                        "at the smaller of the two")
+        problems.append(
+            f"draft max_position_embeddings {draft_len} > target's {target_len}: vLLM caps max_model_len at the smaller of the two"
+        )
     from draftsmith.serve.proposers import VOCAB_FILE
 
     if (bundle / VOCAB_FILE).is_file():
         vocab = read_json(bundle / VOCAB_FILE, problems)
         ids = vocab.get("token_ids") if vocab else None
-        if vocab is not None and not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)
-                                      and min(ids) >= 0 and max(ids) < target_config.get("vocab_size", 0)):
+        if vocab is not None and not (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(i, int) for i in ids)
+            and min(ids) >= 0
+            and max(ids) < target_config.get("vocab_size", 0)
+        ):
             problems.append(f"{VOCAB_FILE} must list token ids of the target's vocabulary")
     return problems + _ignore_problems(draft_config) + _weights_problems(bundle / "draft", draft_config)
 
@@ -183,14 +200,24 @@ def _schedule_problems(schedule, k) -> list[str]:
     if schedule is None:
         return []
     entries = schedule if isinstance(schedule, list) else []
-    valid = bool(entries) and all(isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
-                                  for e in entries)
+    valid = bool(entries) and all(
+        isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in e) for e in entries
+    )
     if valid:
         ends = [0] + [e[1] for e in entries]
-        valid = entries[0][0] == 1 and all(e[0] == ends[i] + 1 and e[0] <= e[1] for i, e in enumerate(entries)) \
+        valid = (
+            entries[0][0] == 1
+            and all(e[0] == ends[i] + 1 and e[0] <= e[1] for i, e in enumerate(entries))
             and all(0 <= e[2] <= (k if isinstance(k, int) else 0) for e in entries)
-    return [] if valid else [f"speculative_config num_speculative_tokens_per_batch_size={schedule!r}: vLLM reads "
-                             "[[first batch size, last, K], ...], ranges in order from 1, each K from 0 to num_speculative_tokens"]
+        )
+    return (
+        []
+        if valid
+        else [
+            f"speculative_config num_speculative_tokens_per_batch_size={schedule!r}: vLLM reads "
+            "[[first batch size, last, K], ...], ranges in order from 1, each K from 0 to num_speculative_tokens"
+        ]
+    )
 
 
 def _ignore_problems(draft_config: dict) -> list[str]:
@@ -200,9 +227,11 @@ def _ignore_problems(draft_config: dict) -> list[str]:
     bare = [name for name in ignore if not name.startswith("re:") and name != "lm_head"]
     if not bare:
         return []
-    return [f"draft/config.json quantization_config.ignore names {len(bare)} layer(s) bare ({bare[0]!r}): vLLM builds the "
-            "draft under its own prefix, matches none of them and fails to load their dense weights; quantize again "
-            "with this draftsmith, which writes them as re: patterns"]
+    return [
+        f"draft/config.json quantization_config.ignore names {len(bare)} layer(s) bare ({bare[0]!r}): vLLM builds the "
+        "draft under its own prefix, matches none of them and fails to load their dense weights; quantize again "
+        "with this draftsmith, which writes them as re: patterns"
+    ]
 
 
 def safetensors_header(path: Path) -> tuple[dict | None, str | None]:
@@ -236,11 +265,19 @@ def expected_shapes(config: dict) -> dict[str, list[int]]:
         shapes["lm_head.weight"] = [vocab, hidden]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": [hidden], p + "post_attention_layernorm.weight": [hidden],
-                       p + "self_attn.q_proj.weight": [heads * head_dim, hidden], p + "self_attn.k_proj.weight": [kv * head_dim, hidden],
-                       p + "self_attn.v_proj.weight": [kv * head_dim, hidden], p + "self_attn.o_proj.weight": [hidden, heads * head_dim],
-                       p + "mlp.gate_proj.weight": [inter, hidden], p + "mlp.up_proj.weight": [inter, hidden],
-                       p + "mlp.down_proj.weight": [hidden, inter]})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [hidden],
+                p + "post_attention_layernorm.weight": [hidden],
+                p + "self_attn.q_proj.weight": [heads * head_dim, hidden],
+                p + "self_attn.k_proj.weight": [kv * head_dim, hidden],
+                p + "self_attn.v_proj.weight": [kv * head_dim, hidden],
+                p + "self_attn.o_proj.weight": [hidden, heads * head_dim],
+                p + "mlp.gate_proj.weight": [inter, hidden],
+                p + "mlp.up_proj.weight": [inter, hidden],
+                p + "mlp.down_proj.weight": [hidden, inter],
+            }
+        )
     return shapes
 
 

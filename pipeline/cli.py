@@ -1,4 +1,5 @@
 """The `draftsmith` command line."""
+
 from __future__ import annotations
 
 import sys
@@ -6,8 +7,11 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(help="draftsmith: distil, quantize, evaluate and serve speculative-decoding drafts.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="draftsmith: distil, quantize, evaluate and serve speculative-decoding drafts.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 
 
 @app.callback()
@@ -15,8 +19,7 @@ def cli() -> None:
     """draftsmith: distil, quantize, evaluate and serve speculative-decoding drafts."""
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             options_metavar="[-m] [KEY=VALUE ...]")
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, options_metavar="[-m] [KEY=VALUE ...]")
 def run(ctx: typer.Context) -> None:
     """Run the pipeline as a Hydra app, with key=value overrides; -m runs a multirun sweep.
 
@@ -83,8 +86,12 @@ app.add_typer(bench, name="bench")
 @bench.command("decode")
 def bench_decode(
     target: str = typer.Option("demo", help="target: 'demo', an HF model dir or a .gguf file"),
-    draft: list[Path] = typer.Option([], "--draft", help="a draft model dir or an EAGLE-3 head dir (repeatable: side by side); "
-                                                          "default: the target's embeddings, head and --draft-layers of its layers"),
+    draft: list[Path] = typer.Option(
+        [],
+        "--draft",
+        help="a draft model dir or an EAGLE-3 head dir (repeatable: side by side); "
+        "default: the target's embeddings, head and --draft-layers of its layers",
+    ),
     draft_layers: int = typer.Option(4, help="layers of the default from-target draft"),
     new_tokens: int = typer.Option(256, help="tokens generated per prompt (EOS ignored)"),
     prompts: int = typer.Option(8, help="held-out demo prompts, run one after another at batch 1"),
@@ -121,21 +128,42 @@ def bench_decode(
             layers = every_nth_layer(read_config(target_dir)["num_hidden_layers"], draft_layers)
             draft = [build_from_target(target_dir, Path(tmp) / "draft", layers)]
         ids = chat_prompts(target_dir, heldout_messages()[:prompts])
-        rows = run_bench(target_dir, draft, ids, new_tokens=new_tokens, ks=tuple(k), device=device, dtype=dtype, repeats=repeats,
-                         with_transformers=transformers_baseline, with_assisted=assisted, with_eager=eager, batch=batch)
+        rows = run_bench(
+            target_dir,
+            draft,
+            ids,
+            new_tokens=new_tokens,
+            ks=tuple(k),
+            device=device,
+            dtype=dtype,
+            repeats=repeats,
+            with_transformers=transformers_baseline,
+            with_assisted=assisted,
+            with_eager=eager,
+            batch=batch,
+        )
     hf = next((r for r in rows if r.method == "transformers generate"), None)
     plain_of = lambda r: [p for p in rows if p.method.startswith("plain") and ("batch" in p.method) == ("batch" in r.method)][-1]
-    table = Table(title=f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {new_tokens} new tokens, greedy, "
-                        f"median of {repeats} runs")
+    table = Table(
+        title=f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {new_tokens} new tokens, greedy, median of {repeats} runs"
+    )
     # kept: accepted / drafted at the row's K (vLLM's acceptance rate, which falls with K); alpha is its value at K = 1
     for column in ("method", "tok/s", "min-max", "ms/step", "steps", "tau", "kept", "x HF", "x plain", "=plain"):
         table.add_column(column, justify="right" if column != "method" else "left")
     for r in rows:
         low, high = r.spread
-        table.add_row(r.method, f"{r.tokens_per_s:.1f}", f"{low:.0f}-{high:.0f}", f"{r.ms_per_target_step:.3f}", str(r.target_steps),
-                      f"{r.tau:.2f}" if r.tau else "", f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "",
-                      f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "", f"{r.tokens_per_s / plain_of(r).tokens_per_s:.2f}x",
-                      {True: "yes", False: "no", None: ""}[r.matches_plain])
+        table.add_row(
+            r.method,
+            f"{r.tokens_per_s:.1f}",
+            f"{low:.0f}-{high:.0f}",
+            f"{r.ms_per_target_step:.3f}",
+            str(r.target_steps),
+            f"{r.tau:.2f}" if r.tau else "",
+            f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "",
+            f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "",
+            f"{r.tokens_per_s / plain_of(r).tokens_per_s:.2f}x",
+            {True: "yes", False: "no", None: ""}[r.matches_plain],
+        )
     Console().print(table)
     if out:
         write_results(rows, out, " ".join(sys.argv), device, {"target": target, "drafts": [str(d) for d in draft]})
@@ -150,11 +178,15 @@ def bench_serve_command(
     prompts: str = typer.Option("demo", help="a .jsonl of prompts (field 'prompt' or 'messages'); 'demo': the held-out demo prompts"),
     api_key: str = typer.Option(None, help="sent as 'Authorization: Bearer <key>'"),
     out: Path = typer.Option(None, help="write the rows as JSON here"),
-    compare_engine: Path = typer.Option(None, "--compare-engine", help="a bundle: serve it from this process instead of "
-                                        "loading --url, then run its engine alone on the same prompts and settings"),
+    compare_engine: Path = typer.Option(
+        None,
+        "--compare-engine",
+        help="a bundle: serve it from this process instead of loading --url, then run its engine alone on the same prompts and settings",
+    ),
     device: str = typer.Option("auto", help="with --compare-engine: auto, cpu or cuda"),
-    repeats: int = typer.Option(1, min=1, help="with --compare-engine: rounds over the levels after one warm-up; "
-                                             "a summary gives the medians and the ratio's spread"),
+    repeats: int = typer.Option(
+        1, min=1, help="with --compare-engine: rounds over the levels after one warm-up; a summary gives the medians and the ratio's spread"
+    ),
 ) -> None:
     """Load a server with streaming chat clients: throughput and TTFT / TPOT p50 and p99 per concurrency."""
     import json
@@ -170,7 +202,10 @@ def bench_serve_command(
     if compare_engine:
         console_log()
         rows = bench.compare_engine(compare_engine, chats, concurrency, max_tokens, duration, device, repeats=repeats)
-        url, columns = f"draftsmith serve {compare_engine} (in process)", ("repeat",) + columns + ("engine_tokens_per_s", "server_over_engine")
+        url, columns = (
+            f"draftsmith serve {compare_engine} (in process)",
+            ("repeat",) + columns + ("engine_tokens_per_s", "server_over_engine"),
+        )
     else:
         rows = bench.bench_serve(url, chats, concurrency, max_tokens, duration, api_key)
 
@@ -187,8 +222,9 @@ def bench_serve_command(
     if summary:
         print_rows(f"medians over {repeats} run(s) per level (ratio_low / ratio_high: its spread)", summary, tuple(summary[0]))
     if out:
-        out.write_text(json.dumps({"command": " ".join(sys.argv), "url": url, "rows": rows} | ({"medians": summary} if summary else {}),
-                                  indent=2))
+        out.write_text(
+            json.dumps({"command": " ".join(sys.argv), "url": url, "rows": rows} | ({"medians": summary} if summary else {}), indent=2)
+        )
     if any(row["errors"] for row in rows):
         typer.echo(f"errors: {next(row['first_error'] for row in rows if row['errors'])}", err=True)
         raise typer.Exit(1)
@@ -196,8 +232,9 @@ def bench_serve_command(
 
 @bench.command("shapes")
 def bench_shapes(
-    shape: list[str] = typer.Option(["llama-3.1-8b"], "--shape", help="a named target shape (repeatable): llama-3.1-8b, "
-                                                                      "qwen2.5-7b, qwen3-8b, smollm2-135m, tiny"),
+    shape: list[str] = typer.Option(
+        ["llama-3.1-8b"], "--shape", help="a named target shape (repeatable): llama-3.1-8b, qwen2.5-7b, qwen3-8b, smollm2-135m, tiny"
+    ),
     batch: list[int] = typer.Option([1, 16], "--batch", help="batch sizes (repeatable)"),
     k: list[int] = typer.Option([2, 4], "--k", help="num_speculative_tokens (repeatable)"),
     draft_layers: int = typer.Option(2, help="layers of the draft model, of the target's width"),
@@ -234,40 +271,66 @@ def bench_shapes(
     for name in shape:
         floors[name] = bandwidth_floor_ms(build(SHAPES[name], DTYPES[dtype], "meta"), bandwidth)
         rows += run_shape(name, batch, k, draft_layers, draft_vocab, tau, device, DTYPES[dtype], new_tokens, prompt_tokens, repeats)
-    table = Table(title=f"bench shapes on {device}, {dtype}, random weights, {prompt_tokens}-token prompts, {new_tokens} new tokens, "
-                        f"median of {repeats}")
+    table = Table(
+        title=f"bench shapes on {device}, {dtype}, random weights, {prompt_tokens}-token prompts, {new_tokens} new tokens, "
+        f"median of {repeats}"
+    )
     for column in ("shape", "method", "batch", "K", "ms/step", "min-max", "x plain step", "floor / plain", "projected x plain"):
         table.add_column(column, justify="left" if column in ("shape", "method") else "right")
     plain = {(r.shape, r.batch): r.ms for r in rows if r.method == "plain"}
     for r in rows:
         floor = f"{floors[r.shape] / r.ms:.0%}" if r.method == "plain" and r.batch == 1 else ""
-        table.add_row(r.shape, r.method, str(r.batch), str(r.k), f"{r.ms:.3f}", f"{r.spread[0]:.3f}-{r.spread[1]:.3f}",
-                      f"{r.ms / plain[(r.shape, r.batch)]:.2f}", floor,
-                      f"{r.projected_speedup:.2f}x" if r.projected_speedup else "")
+        table.add_row(
+            r.shape,
+            r.method,
+            str(r.batch),
+            str(r.k),
+            f"{r.ms:.3f}",
+            f"{r.spread[0]:.3f}-{r.spread[1]:.3f}",
+            f"{r.ms / plain[(r.shape, r.batch)]:.2f}",
+            floor,
+            f"{r.projected_speedup:.2f}x" if r.projected_speedup else "",
+        )
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     if out:
-        out.write_text(json.dumps({"rows": as_dicts(rows), "bandwidth_floor_ms": floors, "tau": tau, "device": device,
-                                   "gpu": torch.cuda.get_device_name() if device == "cuda" else None}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "rows": as_dicts(rows),
+                    "bandwidth_floor_ms": floors,
+                    "tau": tau,
+                    "device": device,
+                    "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                },
+                indent=2,
+            )
+        )
 
 
 @app.command()
 def serve(
     source: str = typer.Argument(..., help="a bundle dir, or models:/<name>@champion from the MLflow registry"),
-    host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float16 on a GPU (float32 on CPU)"),
     max_model_len: int = typer.Option(2048, help="prompt plus new tokens, at most"),
     max_batch_size: int = typer.Option(16, help="requests in the running batch at once; more wait for a free row"),
-    adaptive_k: bool = typer.Option(True, help="choose K per step from each request's acceptance and the measured "
-                                               "step costs (0 where speculation would slow the batch); off: the bundle's K"),
+    adaptive_k: bool = typer.Option(
+        True,
+        help="choose K per step from each request's acceptance and the measured "
+        "step costs (0 where speculation would slow the batch); off: the bundle's K",
+    ),
     smooth_stream: int = typer.Option(0, help="stream accepted tokens in groups of this many, evenly paced (0: as they come)"),
     api_key: str = typer.Option(None, help="require 'Authorization: Bearer <key>' on /v1/*"),
     max_body_bytes: int = typer.Option(4 << 20, help="larger request bodies get 413"),
     max_stop_strings: int = typer.Option(None, help="stop strings a request may send; more get 400 (default 64)"),
     max_stop_string_chars: int = typer.Option(None, help="characters a stop string may have; longer get 400 (default 4096)"),
     tracking_uri: str = typer.Option(None, help="MLflow URI for models:/ sources; default: $MLFLOW_TRACKING_URI or runs/demo"),
-    target: str = typer.Option(None, help="the target (an HF dir or a hub id) when it is not where target.json says; "
-                                          "checked against the sha256 recorded at publish"),
+    target: str = typer.Option(
+        None,
+        help="the target (an HF dir or a hub id) when it is not where target.json says; checked against the sha256 recorded at publish",
+    ),
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API, speculative with the bundle's K (verified first)."""
     import os
@@ -280,10 +343,22 @@ def serve(
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('runs/demo/mlflow.db').resolve()}"
     try:
-        limits = {key: value for key, value in (("max_stop_strings", max_stop_strings), ("max_stop_chars", max_stop_string_chars))
-                  if value is not None}
-        server = load_server(resolve_bundle(source, uri), device, dtype, max_model_len, max_batch_size, target,
-                             adaptive_k=adaptive_k, smooth_stream=smooth_stream, **limits)
+        limits = {
+            key: value
+            for key, value in (("max_stop_strings", max_stop_strings), ("max_stop_chars", max_stop_string_chars))
+            if value is not None
+        }
+        server = load_server(
+            resolve_bundle(source, uri),
+            device,
+            dtype,
+            max_model_len,
+            max_batch_size,
+            target,
+            adaptive_k=adaptive_k,
+            smooth_stream=smooth_stream,
+            **limits,
+        )
     except (BundleError, BundleSourceError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None
@@ -301,9 +376,11 @@ app.add_typer(bundle_app, name="bundle")
 
 
 @bundle_app.command("verify")
-def bundle_verify(path: Path = typer.Argument(..., help="the bundle dir"),
-                  target: str = typer.Option(None, help="another copy of the target (an HF dir or a hub id) to check"),
-                  quick: bool = typer.Option(False, help="do not hash the target's weight files")) -> None:
+def bundle_verify(
+    path: Path = typer.Argument(..., help="the bundle dir"),
+    target: str = typer.Option(None, help="another copy of the target (an HF dir or a hub id) to check"),
+    quick: bool = typer.Option(False, help="do not hash the target's weight files"),
+) -> None:
     """Check the manifest, the weights against their configs, the target against target.json, tokenizer
     identity, vocab sizes and speculative_config against vLLM's constraints; list every problem."""
     from draftsmith.pipeline.bundle import BundleError, verify
@@ -327,11 +404,11 @@ def _registry(ctx: typer.Context, uri: str | None, name: str | None) -> tuple[st
     """(URI, model name) found the way `draftsmith run` finds them: --uri, else the config (with the KEY=VALUE
     overrides given, as for run) names tracking.uri or the sqlite store under paths.root. A store that does not
     exist is an error that says where it looked: nothing is created."""
-    from draftsmith.pipeline.config import ConfigError, composed
-    from draftsmith.pipeline.tracking import run_root
-
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+
+    from draftsmith.pipeline.config import ConfigError, composed
+    from draftsmith.pipeline.tracking import run_root
 
     try:
         cfg = composed(*ctx.args)
@@ -343,8 +420,11 @@ def _registry(ctx: typer.Context, uri: str | None, name: str | None) -> tuple[st
         return uri or cfg.tracking.uri, name
     store = run_root(cfg.paths.root) / "mlflow.db"
     if not store.is_file():
-        typer.echo(f"no registry at {store} (paths.root={cfg.paths.root} from the config, relative to {Path.cwd()}): run this "
-                   "where `draftsmith run` ran, or pass paths.root=DIR or --uri URI", err=True)
+        typer.echo(
+            f"no registry at {store} (paths.root={cfg.paths.root} from the config, relative to {Path.cwd()}): run this "
+            "where `draftsmith run` ran, or pass paths.root=DIR or --uri URI",
+            err=True,
+        )
         raise typer.Exit(1)
     return f"sqlite:///{store}", name
 
@@ -369,8 +449,12 @@ def registry_list(ctx: typer.Context, name: str = typer.Option(None, help=NAME_H
 
 
 @registry_app.command("promote", **OVERRIDES)
-def registry_promote(ctx: typer.Context, version: str = typer.Argument(..., help="version to make champion"),
-                     name: str = typer.Option(None, help=NAME_HELP), uri: str = typer.Option(None, help=URI_HELP)) -> None:
+def registry_promote(
+    ctx: typer.Context,
+    version: str = typer.Argument(..., help="version to make champion"),
+    name: str = typer.Option(None, help=NAME_HELP),
+    uri: str = typer.Option(None, help=URI_HELP),
+) -> None:
     """Make VERSION the champion by hand (the one it replaces is remembered for rollback)."""
     from draftsmith.pipeline.registry import RegistryError, promote
 
@@ -384,7 +468,9 @@ def registry_promote(ctx: typer.Context, version: str = typer.Argument(..., help
 
 
 @registry_app.command("rollback", **OVERRIDES)
-def registry_rollback(ctx: typer.Context, name: str = typer.Option(None, help=NAME_HELP), uri: str = typer.Option(None, help=URI_HELP)) -> None:
+def registry_rollback(
+    ctx: typer.Context, name: str = typer.Option(None, help=NAME_HELP), uri: str = typer.Option(None, help=URI_HELP)
+) -> None:
     """Point champion back at the version the current champion replaced."""
     from draftsmith.pipeline.registry import RegistryError, rollback
 

@@ -3,6 +3,7 @@
 The values live in conf/*.yaml (every default is there); these dataclasses give them types, and
 `validate` checks the ranges once, before any stage runs, so a bad value never costs work.
 """
+
 from __future__ import annotations
 
 import enum
@@ -26,13 +27,13 @@ class Dtype(str, enum.Enum):
 
 class Observer(str, enum.Enum):
     minmax = "minmax"  # each group's range is its weights' range
-    mse = "mse"        # each group's range is clipped where the rounding error (MSE) is least
+    mse = "mse"  # each group's range is clipped where the rounding error (MSE) is least
 
 
 class Rounding(str, enum.Enum):
     nearest = "nearest"  # each weight to its nearest int4 level
-    gptq = "gptq"        # column by column, each rounding's error on the calibration activations spread over the
-                         # columns not yet rounded (GPTQ)
+    gptq = "gptq"  # column by column, each rounding's error on the calibration activations spread over the
+    # columns not yet rounded (GPTQ)
 
 
 class Device(str, enum.Enum):
@@ -231,8 +232,10 @@ SUPPORTED_BITS = (4, 8)  # W4A16 and W8A16
 def bits_refusal(bits: int) -> str | None:
     """Why quantize.bits=`bits` is refused (validation here, and quantize/awq.py for direct callers), or None."""
     if bits < 4:
-        return (f"quantize.bits={bits}: fewer than 4 bits is refused: the draft's distribution drifts so far from the "
-                "target's that acceptance collapses; use 4 (W4A16) or 8")
+        return (
+            f"quantize.bits={bits}: fewer than 4 bits is refused: the draft's distribution drifts so far from the "
+            "target's that acceptance collapses; use 4 (W4A16) or 8"
+        )
     if bits not in SUPPORTED_BITS:
         return f"quantize.bits={bits}: supported are {SUPPORTED_BITS} (W4A16 and W8A16)"
     return None
@@ -261,19 +264,31 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
         _check(getattr(d, key) >= 1, f"distill.{key}", "1 or more", getattr(d, key))
     for key in ("max_new_tokens", "batch_size"):
         _check(getattr(d.teacher, key) >= 1, f"distill.teacher.{key}", "1 or more", getattr(d.teacher, key))
-    _check(d.loss_chunk_size >= 0, "distill.loss_chunk_size", "0 (the whole batch at once) or a positive number of tokens",
-           d.loss_chunk_size)
+    _check(
+        d.loss_chunk_size >= 0, "distill.loss_chunk_size", "0 (the whole batch at once) or a positive number of tokens", d.loss_chunk_size
+    )
     _check(0.0 <= d.on_policy_fraction <= 1.0, "distill.on_policy_fraction", "a fraction in [0, 1]", d.on_policy_fraction)
-    _check(d.on_policy_fraction == 0 or d.loss.value != "hard_label", "distill.on_policy_fraction",
-           "0 with distill.loss=hard_label (the draft's own samples carry no target labels)", d.on_policy_fraction)
-    _check(d.on_policy_fraction == 0 or typed.draft.kind.value == "standalone", "distill.on_policy_fraction",
-           "0 for draft=eagle3 (a head trains on its own predictions through draft.ttt_steps)", d.on_policy_fraction)
+    _check(
+        d.on_policy_fraction == 0 or d.loss.value != "hard_label",
+        "distill.on_policy_fraction",
+        "0 with distill.loss=hard_label (the draft's own samples carry no target labels)",
+        d.on_policy_fraction,
+    )
+    _check(
+        d.on_policy_fraction == 0 or typed.draft.kind.value == "standalone",
+        "distill.on_policy_fraction",
+        "0 for draft=eagle3 (a head trains on its own predictions through draft.ttt_steps)",
+        d.on_policy_fraction,
+    )
     _check(d.learning_rate > 0, "distill.learning_rate", "a positive number", d.learning_rate)
     _check(d.teacher.temperature >= 0, "distill.teacher.temperature", "0 (greedy) or more", d.teacher.temperature)
     _check(d.teacher.extra_samples >= 0, "distill.teacher.extra_samples", "0 or more", d.teacher.extra_samples)
-    _check(d.teacher.sample_temperature > 0 or d.teacher.extra_samples == 0, "distill.teacher.sample_temperature",
-           "a positive temperature when distill.teacher.extra_samples > 0 (else the samples repeat the greedy response)",
-           d.teacher.sample_temperature)
+    _check(
+        d.teacher.sample_temperature > 0 or d.teacher.extra_samples == 0,
+        "distill.teacher.sample_temperature",
+        "a positive temperature when distill.teacher.extra_samples > 0 (else the samples repeat the greedy response)",
+        d.teacher.sample_temperature,
+    )
     _check(typed.stop_after in (None, *STAGE_NAMES), "stop_after", f"null or one of {', '.join(STAGE_NAMES)}", typed.stop_after)
     if (refused := bits_refusal(q.bits)) is not None:
         raise ConfigError(refused)
@@ -284,7 +299,11 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     _check(e.temperature > 0, "evaluate.temperature", "a positive number (T = 0 is always measured too)", e.temperature)
     _check(0.0 <= e.min_alpha <= 1.0, "evaluate.min_alpha", "a number in [0, 1]", e.min_alpha)
     _check(0.0 <= e.max_tau_loss <= 1.0, "evaluate.max_tau_loss", "a fraction in [0, 1]", e.max_tau_loss)
-    _check(all(1 <= b <= 1024 for b in e.dynamic_k_batch_sizes), "evaluate.dynamic_k_batch_sizes",
-           "batch sizes from 1 to 1024", e.dynamic_k_batch_sizes)
+    _check(
+        all(1 <= b <= 1024 for b in e.dynamic_k_batch_sizes),
+        "evaluate.dynamic_k_batch_sizes",
+        "batch sizes from 1 to 1024",
+        e.dynamic_k_batch_sizes,
+    )
     _check(s.max_model_len >= 16, "serve.max_model_len", "16 or more", s.max_model_len)
     return typed

@@ -3,6 +3,7 @@
 Atomic by the stage contract: everything is written into the stage's work dir, which is renamed into
 place only when complete, so a crash leaves no bundle behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+from draftsmith.evaluate.report import PLOTS
 from draftsmith.pipeline import bundle as bundles
 from draftsmith.pipeline.config import DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
-from draftsmith.evaluate.report import PLOTS
 from draftsmith.quantize.stage import draft_dir_of
 from draftsmith.serve.eagle import is_eagle_dir, set_speculative_tokens
 from draftsmith.serve.proposers import VOCAB_FILE
@@ -42,20 +43,24 @@ def serve_script(target: str, spec: dict, max_model_len: int) -> str:
     """serve.sh: vLLM by default, draftsmith's own runtime with `./serve.sh draftsmith`; TARGET=... overrides
     where the target is (a dir or a hub id)."""
     spec = json.dumps({**spec, "model": "@BUNDLE@/draft"})
-    return "\n".join([
-        "#!/usr/bin/env bash",
-        "# Serve the target with this bundle's draft, lossless. Usage: [TARGET=dir-or-hub-id] ./serve.sh [vllm|draftsmith] [args...]",
-        "set -euo pipefail",
-        'BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
-        'GIVEN="${TARGET:-}"',
-        f'TARGET="${{TARGET:-{target}}}"',
-        f"SPEC={shlex.quote(spec)}",
-        'runtime="${1:-vllm}"; shift || true',
-        'case "$runtime" in',
-        f'  vllm) exec vllm serve "$TARGET" --max-model-len {max_model_len} --speculative-config "${{SPEC//@BUNDLE@/$BUNDLE}}" "$@" ;;',
-        '  draftsmith) exec draftsmith serve "$BUNDLE" ${GIVEN:+--target "$GIVEN"} "$@" ;;',
-        '  *) echo "usage: $0 [vllm|draftsmith] [args...]" >&2; exit 2 ;;',
-        "esac", ""])
+    return "\n".join(
+        [
+            "#!/usr/bin/env bash",
+            "# Serve the target with this bundle's draft, lossless. Usage: [TARGET=dir-or-hub-id] ./serve.sh [vllm|draftsmith] [args...]",
+            "set -euo pipefail",
+            'BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+            'GIVEN="${TARGET:-}"',
+            f'TARGET="${{TARGET:-{target}}}"',
+            f"SPEC={shlex.quote(spec)}",
+            'runtime="${1:-vllm}"; shift || true',
+            'case "$runtime" in',
+            f'  vllm) exec vllm serve "$TARGET" --max-model-len {max_model_len} --speculative-config "${{SPEC//@BUNDLE@/$BUNDLE}}" "$@" ;;',
+            '  draftsmith) exec draftsmith serve "$BUNDLE" ${GIVEN:+--target "$GIVEN"} "$@" ;;',
+            '  *) echo "usage: $0 [vllm|draftsmith] [args...]" >&2; exit 2 ;;',
+            "esac",
+            "",
+        ]
+    )
 
 
 def vllm_command(bundle: Path, target: str, spec: dict, max_model_len: int) -> str:
@@ -63,25 +68,31 @@ def vllm_command(bundle: Path, target: str, spec: dict, max_model_len: int) -> s
     return f"vllm serve {shlex.quote(target)} --max-model-len {max_model_len} --speculative-config {shlex.quote(spec)}"
 
 
-def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: dict, quantize: dict, target: str,
-               spec: dict) -> str:
+def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: dict, quantize: dict, target: str, spec: dict) -> str:
     from draftsmith.evaluate.report import markdown
 
     if spec["method"] == bundles.EAGLE3:
-        what = (f"An EAGLE-3 head ({cfg.draft.num_layers} decoder layer(s) on the target's hidden states, draft vocabulary "
-                f"{distill.get('draft_vocab_size')}, speculators format) trained by draftsmith from the target's logits "
-                f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens, training-time test over "
-                f"{cfg.draft.ttt_steps} steps). Not quantized: the head is one small layer, and AWQ is applied to standalone drafts only.")
+        what = (
+            f"An EAGLE-3 head ({cfg.draft.num_layers} decoder layer(s) on the target's hidden states, draft vocabulary "
+            f"{distill.get('draft_vocab_size')}, speculators format) trained by draftsmith from the target's logits "
+            f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens, training-time test over "
+            f"{cfg.draft.ttt_steps} steps). Not quantized: the head is one small layer, and AWQ is applied to standalone drafts only."
+        )
         made = f"- Head: `draft=eagle3`, {cfg.draft.num_layers} layer(s), reading the target's layers {cfg.draft.aux_layers or 'early, middle, late (default)'}"
     else:
-        what = (f"A {cfg.draft.num_layers}-layer draft distilled by draftsmith from the target's logits "
-                f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens), on the target's tokenizer, "
-                f"{quantize.get('scheme', 'not quantized (bf16)')}.")
+        what = (
+            f"A {cfg.draft.num_layers}-layer draft distilled by draftsmith from the target's logits "
+            f"({cfg.distill.loss.value}, {distill.get('train_tokens', '?')} training tokens), on the target's tokenizer, "
+            f"{quantize.get('scheme', 'not quantized (bf16)')}."
+        )
         made = f"- Draft: `draft.init={cfg.draft.init.value}`, {cfg.draft.num_layers} layers"
     lines = [
-        f"# Speculative-decoding draft for {reference['name_or_path']}", "",
-        what + " Speculative decoding with it is lossless: outputs follow the target's distribution exactly.", "",
-        "## How it was made", "",
+        f"# Speculative-decoding draft for {reference['name_or_path']}",
+        "",
+        what + " Speculative decoding with it is lossless: outputs follow the target's distribution exactly.",
+        "",
+        "## How it was made",
+        "",
         f"- Target: `{reference['name_or_path']}` ({reference['num_hidden_layers']} layers, vocab {reference['vocab_size']})",
         made,
         f"- Held-out TVD to the target: {distill.get('tvd_initial', float('nan')):.4f} before distillation, "
@@ -89,12 +100,26 @@ def model_card(cfg: DraftsmithConfig, reference: dict, report: dict, distill: di
         + (f", {quantize['tvd_after']:.4f} after quantization" if "tvd_after" in quantize else ""),
     ]
     if "size_mb_bf16" in quantize:
-        lines.append(f"- Size: {quantize['size_mb_bf16']:.1f} MB in bf16, {quantize['size_mb_quantized']:.1f} MB quantized "
-                     f"({quantize['size_mb_bf16_without_embeddings']:.1f} / {quantize['size_mb_quantized_without_embeddings']:.1f} MB "
-                     "without embeddings)")
-    lines += ["", "## Serve", "", "```sh", "./serve.sh            # vLLM", "./serve.sh draftsmith # draftsmith's runtime",
-              f"# or: vllm serve {target} --speculative-config '{json.dumps({**spec, 'model': '<bundle>/draft'})}'",
-              "```", "", "## Acceptance on held-out domain prompts", "", markdown(report), ""]
+        lines.append(
+            f"- Size: {quantize['size_mb_bf16']:.1f} MB in bf16, {quantize['size_mb_quantized']:.1f} MB quantized "
+            f"({quantize['size_mb_bf16_without_embeddings']:.1f} / {quantize['size_mb_quantized_without_embeddings']:.1f} MB "
+            "without embeddings)"
+        )
+    lines += [
+        "",
+        "## Serve",
+        "",
+        "```sh",
+        "./serve.sh            # vLLM",
+        "./serve.sh draftsmith # draftsmith's runtime",
+        f"# or: vllm serve {target} --speculative-config '{json.dumps({**spec, 'model': '<bundle>/draft'})}'",
+        "```",
+        "",
+        "## Acceptance on held-out domain prompts",
+        "",
+        markdown(report),
+        "",
+    ]
     lines += [f"![{name}]({name})" for name in PLOTS]
     return "\n".join(lines) + "\n"
 
@@ -112,8 +137,9 @@ def alert_rules(min_alpha: float, k: int) -> str:
     rate = round(expected_acceptance_rate(min_alpha, k), 4)
     text = (resources.files("draftsmith.serve") / "monitoring" / "alerts.yml").read_text()
     text = re.sub(r"(draftsmith:spec_decode_num_draft_tokens_total\[5m\]\)\)) < [0-9.]+", rf"\1 < {rate:g}", text, count=1)
-    return text.replace("< 55% for 5 minutes", f"< {rate:.1%} for 5 minutes (alpha {min_alpha:g}, the bundle's "
-                                                 f"evaluate.min_alpha, at K={k})")
+    return text.replace(
+        "< 55% for 5 minutes", f"< {rate:.1%} for 5 minutes (alpha {min_alpha:g}, the bundle's evaluate.min_alpha, at K={k})"
+    )
 
 
 def link_or_copy(source: Path, dest: Path) -> None:
@@ -163,18 +189,38 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         shutil.copy2(evaluation.path / name, bundle / name)
     if (evaluation.path / EVAL_PROMPTS).is_file():  # what vLLM decodes to check the bundle (make vllm-check)
         shutil.copy2(evaluation.path / EVAL_PROMPTS, bundle / EVAL_PROMPTS)
-    (bundle / "README.md").write_text(model_card(cfg, reference, report, inputs["distill"].metrics,
-                                                 inputs["quantize"].metrics, reference.get("hub_id") or reference["name_or_path"], spec))
+    (bundle / "README.md").write_text(
+        model_card(
+            cfg,
+            reference,
+            report,
+            inputs["distill"].metrics,
+            inputs["quantize"].metrics,
+            reference.get("hub_id") or reference["name_or_path"],
+            spec,
+        )
+    )
     manifest = bundles.write_manifest(bundle)
     bundles.verify(bundle)
-    return {"num_speculative_tokens": k, "method": method, "alpha": evaluation.metrics["alpha"], "tau": evaluation.metrics["tau"],
-            "acceptance_rate": evaluation.metrics.get("acceptance_rate"),
-            "measured_speedup": evaluation.metrics["measured_speedup"],
-            "quantization": inputs["quantize"].metrics.get("scheme", "none"), "files": len(manifest["files"]),
-            "size_mb": round(sum(f["size"] for f in manifest["files"].values()) / 1e6, 2), "max_model_len": max_model_len,
-            "gates_overridden": not report["gates"]["passed"]}
+    return {
+        "num_speculative_tokens": k,
+        "method": method,
+        "alpha": evaluation.metrics["alpha"],
+        "tau": evaluation.metrics["tau"],
+        "acceptance_rate": evaluation.metrics.get("acceptance_rate"),
+        "measured_speedup": evaluation.metrics["measured_speedup"],
+        "quantization": inputs["quantize"].metrics.get("scheme", "none"),
+        "files": len(manifest["files"]),
+        "size_mb": round(sum(f["size"] for f in manifest["files"].values()) / 1e6, 2),
+        "max_model_len": max_model_len,
+        "gates_overridden": not report["gates"]["passed"],
+    }
 
 
-STAGE = Stage(name="publish", config_keys=("publish", "serve.max_model_len", "evaluate.min_alpha", "evaluate.max_tau_loss"),
-              inputs=("target", "distill", "quantize", "evaluate"), run=run,
-              artifacts=tuple(f"{BUNDLE_DIR}/{name}" for name in ("README.md", "eval.json", *PLOTS)))
+STAGE = Stage(
+    name="publish",
+    config_keys=("publish", "serve.max_model_len", "evaluate.min_alpha", "evaluate.max_tau_loss"),
+    inputs=("target", "distill", "quantize", "evaluate"),
+    run=run,
+    artifacts=tuple(f"{BUNDLE_DIR}/{name}" for name in ("README.md", "eval.json", *PLOTS)),
+)

@@ -7,6 +7,7 @@ evaluate.min_speedup, and it is faster than the champion (measured speedup on th
 and device; tau for versions that predate the measurement), whatever the draft kind (a standalone
 draft or an EAGLE-3 head); otherwise the version stays registered, unpromoted, with the reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,13 +42,19 @@ def decide(candidate: Mapping[str, str], champion: Mapping[str, str] | None, min
     speedup = float(candidate["speedup"])
     where = f"at K={candidate['k']} on {candidate.get('device', '?')}"
     if speedup <= min_speedup:
-        return Decision(False, f"its measured speedup {speedup:.2f}x {where} is not above evaluate.min_speedup={min_speedup:g}: "
-                               "speculation would not pay there")
+        return Decision(
+            False,
+            f"its measured speedup {speedup:.2f}x {where} is not above evaluate.min_speedup={min_speedup:g}: "
+            "speculation would not pay there",
+        )
     if champion is None:
         return Decision(True, f"there is no champion yet (measured speedup {speedup:.2f}x {where})")
     if (candidate.get("eval_split"), candidate.get("device")) != (champion.get("eval_split"), champion.get("device")):
-        return Decision(False, "the champion was evaluated on another held-out split or device, so their speeds do not "
-                               "compare; `draftsmith registry promote` promotes it by hand")
+        return Decision(
+            False,
+            "the champion was evaluated on another held-out split or device, so their speeds do not "
+            "compare; `draftsmith registry promote` promotes it by hand",
+        )
     key, unit = ("speedup", "x") if "speedup" in champion else ("tau", " tau")
     new, old = float(candidate[key]), float(champion[key])
     ours = f"{candidate.get('kind', 'standalone')} {new:.4f}{unit} at K={candidate['k']}"
@@ -80,24 +87,31 @@ def signature():
     from mlflow.models import ModelSignature
     from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
-    params = ParamSchema([ParamSpec("max_tokens", "long", 128), ParamSpec("temperature", "double", 0.0),
-                          ParamSpec("seed", "long", None)])
+    params = ParamSchema([ParamSpec("max_tokens", "long", 128), ParamSpec("temperature", "double", 0.0), ParamSpec("seed", "long", None)])
     return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]), params=params)
 
 
-def register(bundle: Path, name: str, uri: str, experiment: str, tags: dict[str, str], root: Path,
-             min_speedup: float = 1.0) -> tuple[str, Decision]:
+def register(
+    bundle: Path, name: str, uri: str, experiment: str, tags: dict[str, str], root: Path, min_speedup: float = 1.0
+) -> tuple[str, Decision]:
     """Log the bundle as a pyfunc model, register it under `name`, promote it if it is the best."""
     import mlflow
 
     mlflow_client = client(uri)
     mlflow.set_tracking_uri(uri)
     run_id = os.environ.get(JOB_RUN_ENV)
-    with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else experiment_id(mlflow_client, experiment, root),
-                          run_name=None if run_id else "register"):
-        info = mlflow.pyfunc.log_model(name="bundle", python_model=str(MODEL_CODE), artifacts={"bundle": str(bundle)},
-                                       signature=signature(),
-                                       pip_requirements=[f"draftsmith=={metadata.version('draftsmith')}"])
+    with mlflow.start_run(
+        run_id=run_id,
+        experiment_id=None if run_id else experiment_id(mlflow_client, experiment, root),
+        run_name=None if run_id else "register",
+    ):
+        info = mlflow.pyfunc.log_model(
+            name="bundle",
+            python_model=str(MODEL_CODE),
+            artifacts={"bundle": str(bundle)},
+            signature=signature(),
+            pip_requirements=[f"draftsmith=={metadata.version('draftsmith')}"],
+        )
     if not any(m.name == name for m in mlflow_client.search_registered_models(f"name = '{name}'")):
         mlflow_client.create_registered_model(name)
     version = mlflow_client.create_model_version(name, info.model_uri, run_id=info.run_id, tags=tags).version
@@ -114,13 +128,19 @@ def version_tags(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput]) -> di
 
     report = json.loads((bundle_of(inputs["publish"]) / "eval.json").read_text())  # with the gates it was published under
     split = report["eval_split"]
-    return {"target_fingerprint": inputs["target"].fingerprint, "alpha": f"{inputs['evaluate'].metrics['alpha']:.6f}",
-            "tau": f"{inputs['evaluate'].metrics['tau']:.6f}", "k": str(report["num_speculative_tokens"]),
-            "quantization": inputs["quantize"].metrics.get("scheme", "none"),
-            "eval_split": f"{inputs['target'].fingerprint[:16]}:{split['eval_ids_sha256']}:{split['max_new_tokens']}",
-            "gates_passed": str(report["gates"]["passed"]).lower(), "experiment": cfg.experiment,
-            "speedup": f"{inputs['evaluate'].metrics['measured_speedup']:.6f}", "device": report["device"],
-            "kind": report.get("kind", "standalone")}
+    return {
+        "target_fingerprint": inputs["target"].fingerprint,
+        "alpha": f"{inputs['evaluate'].metrics['alpha']:.6f}",
+        "tau": f"{inputs['evaluate'].metrics['tau']:.6f}",
+        "k": str(report["num_speculative_tokens"]),
+        "quantization": inputs["quantize"].metrics.get("scheme", "none"),
+        "eval_split": f"{inputs['target'].fingerprint[:16]}:{split['eval_ids_sha256']}:{split['max_new_tokens']}",
+        "gates_passed": str(report["gates"]["passed"]).lower(),
+        "experiment": cfg.experiment,
+        "speedup": f"{inputs['evaluate'].metrics['measured_speedup']:.6f}",
+        "device": report["device"],
+        "kind": report.get("kind", "standalone"),
+    }
 
 
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
@@ -129,16 +149,25 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     if not cfg.tracking.enabled:
         return {"registered": False, "reason": "tracking.enabled=false"}
     name = cfg.tracking.registry_name
-    version, decision = register(bundle_of(inputs["publish"]), name, tracking_uri(cfg.tracking.uri, cfg.paths.root),
-                                 cfg.experiment, version_tags(cfg, inputs), run_root(cfg.paths.root), cfg.evaluate.min_speedup)
-    (out / "registered.json").write_text(json.dumps({"name": name, "version": version, "champion": decision.promote,
-                                                     "reason": decision.reason}, indent=2))
+    version, decision = register(
+        bundle_of(inputs["publish"]),
+        name,
+        tracking_uri(cfg.tracking.uri, cfg.paths.root),
+        cfg.experiment,
+        version_tags(cfg, inputs),
+        run_root(cfg.paths.root),
+        cfg.evaluate.min_speedup,
+    )
+    (out / "registered.json").write_text(
+        json.dumps({"name": name, "version": version, "champion": decision.promote, "reason": decision.reason}, indent=2)
+    )
     return {"registered": True, "name": name, "version": version, "champion": decision.promote, "reason": decision.reason}
 
 
 # the registry's state lives in MLflow: the stage's fingerprint keeps a rerun from registering twice
-STAGE = Stage(name="registry", config_keys=("tracking", "evaluate.min_speedup"), inputs=("target", "quantize", "evaluate", "publish"),
-              run=run)
+STAGE = Stage(
+    name="registry", config_keys=("tracking", "evaluate.min_speedup"), inputs=("target", "quantize", "evaluate", "publish"), run=run
+)
 
 
 def list_versions(uri: str, name: str) -> list[dict[str, str]]:
@@ -146,9 +175,14 @@ def list_versions(uri: str, name: str) -> list[dict[str, str]]:
     champion = champion_of(mlflow_client, name)
     rows = []
     for v in sorted(mlflow_client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
-        rows.append({"version": str(v.version), "champion": "yes" if champion and str(champion.version) == str(v.version) else "",
-                     **{k: v.tags.get(k, "") for k in ("kind", "speedup", "tau", "alpha", "k", "quantization", "gates_passed")},
-                     "reason": v.tags.get("draftsmith.promotion", "")})
+        rows.append(
+            {
+                "version": str(v.version),
+                "champion": "yes" if champion and str(champion.version) == str(v.version) else "",
+                **{k: v.tags.get(k, "") for k in ("kind", "speedup", "tau", "alpha", "k", "quantization", "gates_passed")},
+                "reason": v.tags.get("draftsmith.promotion", ""),
+            }
+        )
     return rows
 
 

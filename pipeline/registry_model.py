@@ -1,5 +1,6 @@
 """A published bundle as an MLflow pyfunc: predict takes prompts and returns the target's completions,
 generated speculatively with the bundle's draft and K (lossless, so the same as the target alone)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,13 +32,15 @@ class BundleModel(mlflow.pyfunc.PythonModel):
             model_input = model_input["prompt"] if "prompt" in model_input.columns else model_input.iloc[:, 0]
         prompts = list(model_input)
         params = params or {}
-        sampling = SamplingParams(temperature=float(params.get("temperature", 0.0)), seed=params.get("seed"),
-                                  max_new_tokens=int(params.get("max_tokens", 128)))
+        sampling = SamplingParams(
+            temperature=float(params.get("temperature", 0.0)), seed=params.get("seed"), max_new_tokens=int(params.get("max_tokens", 128))
+        )
         texts = []
         for prompt in prompts:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             completion = self.engine.generate([ids], sampling, self.k).completions[0]
-            texts.append(completion.text if completion.text is not None
-                         else self.tokenizer.decode(completion.tokens, skip_special_tokens=True))
+            texts.append(
+                completion.text if completion.text is not None else self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+            )
         return texts

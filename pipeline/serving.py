@@ -1,5 +1,6 @@
 """What `draftsmith serve` serves: a bundle dir or a registered model, verified, loaded into the runtime's
 server. (The runtime, serve/, reads no bundle: this is where a bundle becomes an engine.)"""
+
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from draftsmith.pipeline.bundle import TARGET_JSON, target_dir_of, verify
 
 if TYPE_CHECKING:
     from draftsmith.serve.server import Server
+
 
 class BundleSourceError(ValueError):
     """`draftsmith serve` was given something that is neither a bundle dir nor a models:/ URI."""
@@ -22,8 +24,10 @@ def resolve_bundle(source: str, tracking_uri: str | None = None) -> Path:
         from mlflow.exceptions import MlflowException
 
         if tracking_uri and tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
-            raise BundleSourceError(f"{source}: there is no MLflow store at {tracking_uri} (--tracking-uri names the registry; "
-                                    "the pipeline's is sqlite:///<run root>/mlflow.db)")
+            raise BundleSourceError(
+                f"{source}: there is no MLflow store at {tracking_uri} (--tracking-uri names the registry; "
+                "the pipeline's is sqlite:///<run root>/mlflow.db)"
+            )
         if tracking_uri:
             mlflow.set_tracking_uri(tracking_uri)
             mlflow.set_registry_uri(tracking_uri)
@@ -31,8 +35,10 @@ def resolve_bundle(source: str, tracking_uri: str | None = None) -> Path:
             local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source))
         except (MlflowException, OSError) as e:
             first = (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
-            raise BundleSourceError(f"{source} could not be read from the registry at {tracking_uri or 'the default URI'}: "
-                                    f"{first} (--tracking-uri names the registry)") from None
+            raise BundleSourceError(
+                f"{source} could not be read from the registry at {tracking_uri or 'the default URI'}: "
+                f"{first} (--tracking-uri names the registry)"
+            ) from None
         found = [p.parent for p in local.rglob("manifest.json") if p.parent.name == "bundle"]
         if not found:
             raise BundleSourceError(f"{source} holds no draftsmith bundle")
@@ -43,8 +49,9 @@ def resolve_bundle(source: str, tracking_uri: str | None = None) -> Path:
     return path
 
 
-def load_server(bundle: Path, device: str, dtype: str, max_model_len: int, max_batch_size: int = 16,
-                target: str | None = None, **options) -> "Server":
+def load_server(
+    bundle: Path, device: str, dtype: str, max_model_len: int, max_batch_size: int = 16, target: str | None = None, **options
+) -> "Server":
     """Verify the bundle (the same checks as `draftsmith bundle verify`, with `target` instead of the
     recorded one if given), then load target and draft; `options` are the Server's (adaptive_k, smooth_stream,
     the stop-string limits)."""
@@ -58,10 +65,15 @@ def load_server(bundle: Path, device: str, dtype: str, max_model_len: int, max_b
     spec = verify(bundle, target)
     target_dir = target_dir_of(bundle, target)
     device = pick_device(device)
-    engine = Engine.load(target_dir, bundle / spec["model"], dtype=dtype if device != "cpu" else "float32",
-                         device=device, max_batch_size=max_batch_size, draft_vocab=read_vocab(bundle),
-                         max_seq_len=max_model_len + spec["num_speculative_tokens"] + 1)
+    engine = Engine.load(
+        target_dir,
+        bundle / spec["model"],
+        dtype=dtype if device != "cpu" else "float32",
+        device=device,
+        max_batch_size=max_batch_size,
+        draft_vocab=read_vocab(bundle),
+        max_seq_len=max_model_len + spec["num_speculative_tokens"] + 1,
+    )
     reference = bundle / TARGET_JSON
     name = json.loads(reference.read_text())["name_or_path"] if reference.is_file() else target_dir.name
-    return Server(engine, AutoTokenizer.from_pretrained(target_dir), str(name), spec["num_speculative_tokens"],
-                  max_model_len, **options)
+    return Server(engine, AutoTokenizer.from_pretrained(target_dir), str(name), spec["num_speculative_tokens"], max_model_len, **options)

@@ -5,6 +5,7 @@ when complete, with a stage.json holding its fingerprint (hash of its config sec
 identity facts such as a source file's sha256, and of its inputs' fingerprints), timings, metrics and
 library versions. An output whose stage.json carries the same fingerprint is reused as it is.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,19 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 STAGE_JSON = "stage.json"
-_TRACKED_LIBRARIES = ("draftsmith", "torch", "transformers", "safetensors", "llmcompressor",
-                      "compressed-tensors", "datasets", "accelerate", "peft", "mlflow", "hydra-core")
+_TRACKED_LIBRARIES = (
+    "draftsmith",
+    "torch",
+    "transformers",
+    "safetensors",
+    "llmcompressor",
+    "compressed-tensors",
+    "datasets",
+    "accelerate",
+    "peft",
+    "mlflow",
+    "hydra-core",
+)
 
 
 class StageError(RuntimeError):
@@ -60,7 +72,7 @@ class Stage:
     run: StageFn
     identity: IdentityFn | None = None  # facts outside the config that change the output
     distributed: bool | Callable[[Any], bool] = False  # under torchrun / accelerate launch every rank takes part in
-                                                       # run() (a function of the config: when it says so)
+    # run() (a function of the config: when it says so)
     check: Callable[[Any, "StageOutput"], None] | None = None  # run on the output, fresh or cached; raising fails the job
     artifacts: tuple[str, ...] = ()  # files of the output logged to MLflow
     excluded_keys: tuple[str, ...] = ()  # dotted keys inside config_keys' sections that do not change the output
@@ -87,8 +99,11 @@ def _jsonable(value: Any) -> Any:
 
 def fingerprint(config: Mapping[str, Any], identity: Mapping[str, Any], inputs: Mapping[str, str]) -> str:
     """sha256 over canonical JSON of the stage's config sections, identity facts and input fingerprints."""
-    payload = json.dumps({"config": _jsonable(config), "identity": _jsonable(identity), "inputs": dict(sorted(inputs.items()))},
-                         sort_keys=True, separators=(",", ":"))
+    payload = json.dumps(
+        {"config": _jsonable(config), "identity": _jsonable(identity), "inputs": dict(sorted(inputs.items()))},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -169,8 +184,9 @@ def _work_dir(final: Path, fp: str) -> Path:
     return final.parent / f".tmp-{fp[:16]}"
 
 
-def _run_beside_rank_zero(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str,
-                          timeout: float = 24 * 3600) -> StageOutput:
+def _run_beside_rank_zero(
+    stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str, timeout: float = 24 * 3600
+) -> StageOutput:
     """A non-zero rank of a distributed stage: work in rank 0's work dir, then wait for it to publish."""
     record = read_record(final)
     if record is not None and record.get("fingerprint") == fp:
@@ -186,8 +202,7 @@ def _run_beside_rank_zero(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutp
     return StageOutput(stage.name, final, fp, cached=False, record=record)
 
 
-def _build(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str,
-           config: dict, identity: dict) -> StageOutput:
+def _build(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Path, fp: str, config: dict, identity: dict) -> StageOutput:
     tmp = _work_dir(final, fp)
     tmp.mkdir(exist_ok=True)
     started = time.time()
@@ -209,8 +224,9 @@ def _build(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Pat
             shutil.rmtree(final)
         os.rename(tmp, final)
     except KeyboardInterrupt:  # a kill's work survives; so does an interrupt's
-        raise StageInterrupted(f"stage '{stage.name}' interrupted; its work so far is kept in {tmp}: "
-                               "run the same command to resume") from None
+        raise StageInterrupted(
+            f"stage '{stage.name}' interrupted; its work so far is kept in {tmp}: run the same command to resume"
+        ) from None
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, SystemExit):

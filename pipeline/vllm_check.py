@@ -14,6 +14,7 @@ the tolerance, position by position.
 Exit 0: vLLM loaded and decoded the bundle and agrees; 1: vLLM refused the bundle (its own message follows)
 or its acceptance disagrees (both numbers follow); 2: the bundle lacks what the check needs, or usage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,9 +94,11 @@ def spec_counters(metrics: list) -> dict:
 def derived(counters: dict) -> dict:
     """Acceptance by position, accepted / drafted and mean acceptance length (bonus token included)."""
     drafts = counters["num_drafts"]
-    return {"acceptance_by_position": [a / drafts for a in counters["per_position"]] if drafts else [],
-            "acceptance_rate": counters["num_accepted_tokens"] / counters["num_draft_tokens"] if counters["num_draft_tokens"] else 0.0,
-            "tau": 1 + counters["num_accepted_tokens"] / drafts if drafts else 0.0}
+    return {
+        "acceptance_by_position": [a / drafts for a in counters["per_position"]] if drafts else [],
+        "acceptance_rate": counters["num_accepted_tokens"] / counters["num_draft_tokens"] if counters["num_draft_tokens"] else 0.0,
+        "tau": 1 + counters["num_accepted_tokens"] / drafts if drafts else 0.0,
+    }
 
 
 def disagreements(measured: dict, expected: dict, tolerance: float) -> list[str]:
@@ -104,22 +107,35 @@ def disagreements(measured: dict, expected: dict, tolerance: float) -> list[str]
     theirs = measured["acceptance_by_position"]
     if len(theirs) != len(ours):
         return [f"vLLM counted {len(theirs)} draft positions, eval.json has {len(ours)}"]
-    return [f"position {i + 1}: vLLM {v:.4f}, eval.json {e:.4f} (difference {v - e:+.4f}, tolerance {tolerance})"
-            for i, (v, e) in enumerate(zip(theirs, ours)) if abs(v - e) > tolerance]
+    return [
+        f"position {i + 1}: vLLM {v:.4f}, eval.json {e:.4f} (difference {v - e:+.4f}, tolerance {tolerance})"
+        for i, (v, e) in enumerate(zip(theirs, ours))
+        if abs(v - e) > tolerance
+    ]
 
 
-def run_vllm(target: str, spec: dict, prompts: list[list[int]], max_new_tokens: int, max_len: int | None,
-             dtype: str, max_num_seqs: int | None) -> tuple[dict, float]:
+def run_vllm(
+    target: str, spec: dict, prompts: list[list[int]], max_new_tokens: int, max_len: int | None, dtype: str, max_num_seqs: int | None
+) -> tuple[dict, float]:
     """Generate greedily with vLLM; its speculative-decoding counters, and the seconds it took."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
     batch = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
-    llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=max_len, seed=0,
-              disable_log_stats=False, trust_remote_code=False, **batch)
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                 SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
+    llm = LLM(
+        model=target,
+        speculative_config=spec,
+        dtype=dtype,
+        max_model_len=max_len,
+        seed=0,
+        disable_log_stats=False,
+        trust_remote_code=False,
+        **batch,
+    )
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False
+    )
     return spec_counters(llm.get_metrics()), time.perf_counter() - started
 
 
@@ -131,24 +147,41 @@ def check(bundle: Path, target: str, tolerance: float) -> dict:
     expected = expected_row(report, k)
     spec = {**spec, "model": str(bundle / "draft")}  # the bundle's own draft, wherever the bundle is now
     dtype, why = dtype_of(bundle / "draft")
-    counters, seconds = run_vllm(target, spec, prompts["prompt_token_ids"], prompts["max_new_tokens"],
-                                 max_model_len(bundle), dtype, max_num_seqs)
+    counters, seconds = run_vllm(
+        target, spec, prompts["prompt_token_ids"], prompts["max_new_tokens"], max_model_len(bundle), dtype, max_num_seqs
+    )
     counters["per_position"] = counters["per_position"][:k]  # vLLM counts positions up to its K at start-up
     measured = derived(counters)
-    return {"bundle": str(bundle), "method": spec["method"], "k": k, "schedule": schedule, "dtype": dtype, "dtype_why": why,
-            "num_prompts": len(prompts["prompt_token_ids"]), "seconds": round(seconds, 1), "counters": counters,
-            "vllm": measured, "eval_json": {key: expected[key] for key in ("acceptance_by_position", "acceptance_rate", "tau")},
-            "tolerance": tolerance, "disagreements": disagreements(measured, expected, tolerance)}
+    return {
+        "bundle": str(bundle),
+        "method": spec["method"],
+        "k": k,
+        "schedule": schedule,
+        "dtype": dtype,
+        "dtype_why": why,
+        "num_prompts": len(prompts["prompt_token_ids"]),
+        "seconds": round(seconds, 1),
+        "counters": counters,
+        "vllm": measured,
+        "eval_json": {key: expected[key] for key in ("acceptance_by_position", "acceptance_rate", "tau")},
+        "tolerance": tolerance,
+        "disagreements": disagreements(measured, expected, tolerance),
+    }
 
 
 def table(result: dict) -> str:
     ours, theirs = result["eval_json"], result["vllm"]
     row = lambda name, a: f"  {name:<10} " + "  ".join(f"{x:.4f}" for x in a)
-    return "\n".join([f"  acceptance by position (K={result['k']}, T=0, {result['num_prompts']} prompts, vLLM in {result['dtype_why']}; "
-                      f"{result['schedule']})",
-                      row("vLLM", theirs["acceptance_by_position"]), row("eval.json", ours["acceptance_by_position"]),
-                      f"  accepted/drafted: vLLM {theirs['acceptance_rate']:.4f}, eval.json {ours['acceptance_rate']:.4f}; "
-                      f"mean acceptance length: vLLM {theirs['tau']:.4f}, eval.json {ours['tau']:.4f}"])
+    return "\n".join(
+        [
+            f"  acceptance by position (K={result['k']}, T=0, {result['num_prompts']} prompts, vLLM in {result['dtype_why']}; "
+            f"{result['schedule']})",
+            row("vLLM", theirs["acceptance_by_position"]),
+            row("eval.json", ours["acceptance_by_position"]),
+            f"  accepted/drafted: vLLM {theirs['acceptance_rate']:.4f}, eval.json {ours['acceptance_rate']:.4f}; "
+            f"mean acceptance length: vLLM {theirs['tau']:.4f}, eval.json {ours['tau']:.4f}",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     verdict = "disagrees with eval.json" if result["disagreements"] else "agrees with eval.json"
-    print(f"vLLM {vllm.__version__} loaded and decoded the bundle {bundle} (method {result['method']}, "
-          f"{result['seconds']:.0f} s); its acceptance {verdict}\n{table(result)}")
+    print(
+        f"vLLM {vllm.__version__} loaded and decoded the bundle {bundle} (method {result['method']}, "
+        f"{result['seconds']:.0f} s); its acceptance {verdict}\n{table(result)}"
+    )
     for line in result["disagreements"]:
         print(f"  disagreement: {line}")
     return 1 if result["disagreements"] else 0

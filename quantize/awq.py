@@ -4,6 +4,7 @@ The target is never quantized: speculative decoding is lossless only with respec
 verifies, so quantization error in the target would change the outputs users get and distort the
 acceptance test itself. Only the draft, whose errors cost acceptance and never correctness, is.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,11 @@ def refuse_target(model_dir: Path, target_dir: Path) -> None:
     """Raise QuantizeError when `model_dir` is the target (same dir or same weights)."""
     same_dir = model_dir.resolve() == target_dir.resolve()
     if same_dir or _weights_digest(model_dir) == _weights_digest(target_dir):
-        raise QuantizeError(f"refusing to quantize the target ({model_dir}): speculative decoding is lossless only "
-                            "with respect to the verifying model, so quantization error in the target would change "
-                            "the outputs and distort the acceptance test it relies on; quantize the draft instead")
+        raise QuantizeError(
+            f"refusing to quantize the target ({model_dir}): speculative decoding is lossless only "
+            "with respect to the verifying model, so quantization error in the target would change "
+            "the outputs and distort the acceptance test it relies on; quantize the draft instead"
+        )
 
 
 def linear_in_features(config: dict) -> list[int]:
@@ -51,11 +54,13 @@ def linear_in_features(config: dict) -> list[int]:
 
 def choose_group_size(in_features: Sequence[int], requested: int | None = None) -> int:
     """The requested group size, or the largest of 128, 64, 32 that divides every in_features."""
-    for size in ([requested] if requested else GROUP_SIZES):
+    for size in [requested] if requested else GROUP_SIZES:
         if all(n % size == 0 for n in in_features):
             return size
-    raise QuantizeError(f"no group size in {[requested] if requested else GROUP_SIZES} divides every in_features "
-                        f"{sorted(set(in_features))}; set quantize.group_size to one that does")
+    raise QuantizeError(
+        f"no group size in {[requested] if requested else GROUP_SIZES} divides every in_features "
+        f"{sorted(set(in_features))}; set quantize.group_size to one that does"
+    )
 
 
 def _allow_cpu_calibration() -> None:
@@ -83,8 +88,7 @@ def ship_in_bf16(model_dir: Path) -> None:
         tensors = load_file(file)
         wide = {name for name, t in tensors.items() if t.is_floating_point() and t.dtype != torch.bfloat16}
         if wide:
-            save_file({name: t.to(torch.bfloat16) if name in wide else t for name, t in tensors.items()}, file,
-                      metadata={"format": "pt"})
+            save_file({name: t.to(torch.bfloat16) if name in wide else t for name, t in tensors.items()}, file, metadata={"format": "pt"})
 
 
 def portable_ignore(ignore: Sequence[str]) -> list[str]:
@@ -124,18 +128,30 @@ def awq_mappings(num_layers: int, ignore: Sequence[str]) -> list:
     mappings = []
     for i in range(num_layers):
         at = f"model.layers.{i}."
-        for smooth, balance in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                                ("self_attn.v_proj", ("self_attn.o_proj",)),
-                                ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-                                ("mlp.up_proj", ("mlp.down_proj",))):
+        for smooth, balance in (
+            ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("self_attn.v_proj", ("self_attn.o_proj",)),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            ("mlp.up_proj", ("mlp.down_proj",)),
+        ):
             if kept := [at + b for b in balance if quantized(at + b)]:
                 mappings.append(AWQMapping(at + smooth, kept))
     return mappings
 
 
-def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: list[list[int]], *, bits: int,
-                 group_size: int | None, ignore: Sequence[str], calibration_dtype: str = "float32",
-                 observer: str = "mse", rounding: str = "gptq") -> dict:
+def quantize_awq(
+    draft_dir: Path,
+    target_dir: Path,
+    out_dir: Path,
+    calibration: list[list[int]],
+    *,
+    bits: int,
+    group_size: int | None,
+    ignore: Sequence[str],
+    calibration_dtype: str = "float32",
+    observer: str = "mse",
+    rounding: str = "gptq",
+) -> dict:
     """AWQ-quantize the draft in `draft_dir` into `out_dir` (compressed-tensors), searching the scales with
     the draft in `calibration_dtype`, each weight group's range then set by `observer` (llm-compressor's:
     "minmax", or "mse", which clips the range where the rounding error is least) and its weights rounded by
@@ -158,17 +174,31 @@ def quantize_awq(draft_dir: Path, target_dir: Path, out_dir: Path, calibration: 
     _allow_cpu_calibration()
     model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=getattr(torch, calibration_dtype))
     dataset = Dataset.from_list([{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration])
-    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group,
-                               observer=observer)
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group, observer=observer)
     rounder = GPTQModifier if rounding == "gptq" else QuantizationModifier
-    recipe = [AWQModifier(duo_scaling=True, mappings=awq_mappings(config["num_hidden_layers"], ignore)),
-              rounder(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}, ignore=list(ignore))]
-    oneshot(model=model, processor=AutoTokenizer.from_pretrained(draft_dir), dataset=dataset, recipe=recipe,
-            num_calibration_samples=len(calibration), max_seq_length=max(len(ids) for ids in calibration),
-            shuffle_calibration_samples=False)
+    recipe = [
+        AWQModifier(duo_scaling=True, mappings=awq_mappings(config["num_hidden_layers"], ignore)),
+        rounder(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}, ignore=list(ignore)),
+    ]
+    oneshot(
+        model=model,
+        processor=AutoTokenizer.from_pretrained(draft_dir),
+        dataset=dataset,
+        recipe=recipe,
+        num_calibration_samples=len(calibration),
+        max_seq_length=max(len(ids) for ids in calibration),
+        shuffle_calibration_samples=False,
+    )
     model.save_pretrained(out_dir, save_compressed=True)
     make_ignore_portable(out_dir)
     ship_in_bf16(out_dir)
-    return {"bits": bits, "group_size": group, "ignore": list(ignore), "scheme": f"W{bits}A16 asymmetric",
-            "num_calibration_samples": len(calibration), "calibration_dtype": calibration_dtype, "observer": observer,
-            "rounding": rounding}
+    return {
+        "bits": bits,
+        "group_size": group,
+        "ignore": list(ignore),
+        "scheme": f"W{bits}A16 asymmetric",
+        "num_calibration_samples": len(calibration),
+        "calibration_dtype": calibration_dtype,
+        "observer": observer,
+        "rounding": rounding,
+    }

@@ -6,6 +6,7 @@ held-out TVD to the target before and after, greedy agreement of the two drafts,
 With quantize.enabled=false, or for an EAGLE-3 head (one small layer: there is little to save and
 its acceptance is what pays), the stage writes no draft and later stages use the distilled one as it is.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,24 +84,41 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     device = pick_device(cfg.device.value)
     started = time.perf_counter()
     calibration = calibration_samples(rows, q.num_calibration_samples, q.calibration_max_length, cfg.seed)
-    done = quantize_awq(dense_dir, target_dir, out / "draft", calibration, bits=q.bits, group_size=q.group_size,
-                        ignore=q.ignore, calibration_dtype=q.calibration_dtype.value, observer=q.observer.value,
-                        rounding=q.rounding.value)
+    done = quantize_awq(
+        dense_dir,
+        target_dir,
+        out / "draft",
+        calibration,
+        bits=q.bits,
+        group_size=q.group_size,
+        ignore=q.ignore,
+        calibration_dtype=q.calibration_dtype.value,
+        observer=q.observer.value,
+        rounding=q.rounding.value,
+    )
     adopt_target_tokenizer(target_dir, out / "draft")  # copies the tokenizer files and checks them again
     seconds = time.perf_counter() - started
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     eval_rows = [r for r in rows if r["split"] == "eval" and r["response_ids"]]
-    compared = compare_drafts(load(target_dir), [load(dense_dir), load(out / "draft")], eval_rows,
-                              cfg.distill.batch_size, cfg.distill.max_seq_len, device)
+    compared = compare_drafts(
+        load(target_dir), [load(dense_dir), load(out / "draft")], eval_rows, cfg.distill.batch_size, cfg.distill.max_seq_len, device
+    )
     (tvd_before, tvd_after), bf16, quantized = compared["tvd"], size_mb(dense_dir, as_bf16=True), size_mb(out / "draft")
-    return {**done, "seconds_quantize": round(seconds, 1),
-            "size_mb_bf16": bf16["total"], "size_mb_quantized": quantized["total"],
-            "size_mb_bf16_without_embeddings": bf16["without_embeddings"],
-            "size_mb_quantized_without_embeddings": quantized["without_embeddings"],
-            "tvd_before": tvd_before, "tvd_after": tvd_after, "tvd_rise_rel": tvd_after / tvd_before - 1,
-            "greedy_agreement": compared["greedy_agreement"], "eval_tokens": compared["tokens"]}
+    return {
+        **done,
+        "seconds_quantize": round(seconds, 1),
+        "size_mb_bf16": bf16["total"],
+        "size_mb_quantized": quantized["total"],
+        "size_mb_bf16_without_embeddings": bf16["without_embeddings"],
+        "size_mb_quantized_without_embeddings": quantized["without_embeddings"],
+        "tvd_before": tvd_before,
+        "tvd_after": tvd_after,
+        "tvd_rise_rel": tvd_after / tvd_before - 1,
+        "greedy_agreement": compared["greedy_agreement"],
+        "eval_tokens": compared["tokens"],
+    }
 
 
 STAGE = Stage(name="quantize", config_keys=("quantize", "seed"), inputs=("target", "teacher", "distill"), run=run)

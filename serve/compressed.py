@@ -7,6 +7,7 @@ Format facts (compressed-tensors 0.19): a quantized Linear `X` is stored as
   X.weight_shape       int64 [2] = (out, in)
 and w = (q - zero_point) * scale per group of `group` input columns.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,18 +29,27 @@ def unpack_int32(packed: Tensor, bits: int, count: int) -> Tensor:
 def weight_args(quantization_config: dict) -> dict:
     """The weight QuantizationArgs of a compressed-tensors config this runtime can dequantize."""
     if quantization_config.get("quant_method") != "compressed-tensors":
-        raise CompressedFormatError(f"quant_method {quantization_config.get('quant_method')!r}: only compressed-tensors "
-                                    "checkpoints are read (draftsmith's quantize stage writes them)")
+        raise CompressedFormatError(
+            f"quant_method {quantization_config.get('quant_method')!r}: only compressed-tensors "
+            "checkpoints are read (draftsmith's quantize stage writes them)"
+        )
     groups = list(quantization_config.get("config_groups", {}).values())
     if len(groups) != 1:
         raise CompressedFormatError(f"{len(groups)} quantization config groups: one W*A16 group is supported")
     group = groups[0]
     fmt = group.get("format") or quantization_config.get("format")
     args = group.get("weights") or {}
-    if fmt != "pack-quantized" or group.get("input_activations") or args.get("type") != "int" \
-            or args.get("strategy") not in ("group", "channel") or 32 % int(args.get("num_bits", 0) or 3):
-        raise CompressedFormatError(f"compressed-tensors format {fmt!r} with weights {args}: only pack-quantized "
-                                    "integer weights with group or channel scales (W4A16 / W8A16) are supported")
+    if (
+        fmt != "pack-quantized"
+        or group.get("input_activations")
+        or args.get("type") != "int"
+        or args.get("strategy") not in ("group", "channel")
+        or 32 % int(args.get("num_bits", 0) or 3)
+    ):
+        raise CompressedFormatError(
+            f"compressed-tensors format {fmt!r} with weights {args}: only pack-quantized "
+            "integer weights with group or channel scales (W4A16 / W8A16) are supported"
+        )
     return args
 
 

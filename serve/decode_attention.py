@@ -14,6 +14,7 @@ that pads a prefill to its graph's batch), sees slot 0 only: its output is dropp
 rule it read the whole cache, as much work as the longest real row. Needs triton; its interpreter
 (TRITON_INTERPRET=1) runs it on CPU tensors in float32, which is how the suite tests it.
 """
+
 from typing import Optional
 
 import torch
@@ -35,8 +36,13 @@ def runs(q: Tensor, kv_heads: int) -> bool:
     """Whether decode_attention runs for queries q [B, T, H, D] on a GPU: a dtype and head size tl.dot
     takes, and at most MAX_QUERY_ROWS query rows a KV head."""
     B, T, H, D = q.shape
-    return (triton is not None and q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and D in (16, 32, 64, 128, 256) and H // kv_heads * T <= MAX_QUERY_ROWS)
+    return (
+        triton is not None
+        and q.device.type == "cuda"
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and D in (16, 32, 64, 128, 256)
+        and H // kv_heads * T <= MAX_QUERY_ROWS
+    )
 
 
 def num_splits(batch: int, kv_heads: int, slots: int) -> int:
@@ -45,8 +51,7 @@ def num_splits(batch: int, kv_heads: int, slots: int) -> int:
     return max(1, min(triton.cdiv(PROGRAMS, batch * kv_heads), triton.cdiv(slots, BLOCK_N) // MIN_SPLIT_BLOCKS))
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max_seq_len: int,
-                     read: Optional[Tensor] = None) -> Tensor:
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max_seq_len: int, read: Optional[Tensor] = None) -> Tensor:
     """softmax(q k^T / sqrt(D)) v over each row's filled slots. q [B, T, H, D]; keys, values [R, H_kv, S, D]
     (the whole cache, S = max_seq_len + 1); slots [B, T]: each query's cache slot (clamped position); read
     [B]: the cache row of each batch row (None: row b). Returns [B, T, H, D] in q's dtype.
@@ -69,12 +74,33 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max
         parts = lse = out  # not read: the kernel writes the output itself
     rows = read if read is not None else slots  # any tensor when READ_ROWS is off: the kernel reads it only then
     _decode_attention[(B, kv_heads, splits)](
-        q, keys, values, out, parts, lse, slots, rows,
-        *q.stride(), *keys.stride(), *values.stride(), *out.stride(), *slots.stride(),
-        D ** -0.5, max_seq_len, chunk,
-        T=T, G=groups, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits, READ_ROWS=read is not None,
+        q,
+        keys,
+        values,
+        out,
+        parts,
+        lse,
+        slots,
+        rows,
+        *q.stride(),
+        *keys.stride(),
+        *values.stride(),
+        *out.stride(),
+        *slots.stride(),
+        D**-0.5,
+        max_seq_len,
+        chunk,
+        T=T,
+        G=groups,
+        D=D,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        SPLITS=splits,
+        READ_ROWS=read is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 products exactly, not in tf32
-        num_warps=4, num_stages=2)
+        num_warps=4,
+        num_stages=2,
+    )
     if splits > 1:
         _combine[(B, kv_heads)](parts, lse, out, *out.stride(), T=T, G=groups, D=D, BLOCK_M=block_m, SPLITS=splits)
     return out
@@ -86,11 +112,45 @@ if triton is not None:
     op.register_fake(lambda q, keys, values, slots, max_seq_len, read=None: torch.empty_like(q))
 
     @triton.jit
-    def _decode_attention(Q, K, V, O, Parts, Lse, Slots, Rows,
-                          sqb, sqt, sqh, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, sot, soh, sod, ssb, sst,
-                          scale, max_seq_len, chunk,
-                          T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, READ_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    def _decode_attention(
+        Q,
+        K,
+        V,
+        O,
+        Parts,
+        Lse,
+        Slots,
+        Rows,
+        sqb,
+        sqt,
+        sqh,
+        sqd,
+        skb,
+        skh,
+        sks,
+        skd,
+        svb,
+        svh,
+        svs,
+        svd,
+        sob,
+        sot,
+        soh,
+        sod,
+        ssb,
+        sst,
+        scale,
+        max_seq_len,
+        chunk,
+        T: tl.constexpr,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        READ_ROWS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         b = tl.program_id(0)
         h = tl.program_id(1)  # the KV head; it serves query heads h*G .. h*G+G-1
         split = tl.program_id(2)
@@ -129,16 +189,18 @@ if triton is not None:
             best = new_best
         if SPLITS == 1:
             out = acc / total[:, None]
-            tl.store(O + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod, out.to(O.dtype.element_ty),
-                     mask=real[:, None])
+            tl.store(
+                O + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod, out.to(O.dtype.element_ty), mask=real[:, None]
+            )
         else:  # this part's output and log-sum-exp (-inf, output 0, where a query saw none of its slots)
             part = (b * tl.num_programs(1) + h) * SPLITS + split
             tl.store(Parts + (part * BLOCK_M + m[:, None]) * D + d[None, :], acc / tl.maximum(total, 1e-30)[:, None])
             tl.store(Lse + part * BLOCK_M + m, best + tl.log(total))
 
     @triton.jit
-    def _combine(Parts, Lse, O, sob, sot, soh, sod,
-                 T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+    def _combine(
+        Parts, Lse, O, sob, sot, soh, sod, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr
+    ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         m = tl.arange(0, BLOCK_M)
@@ -156,5 +218,8 @@ if triton is not None:
         real = m < G * T
         head = h * G + m // T
         t = m % T
-        tl.store(O + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod,
-                 (acc / weights[:, None]).to(O.dtype.element_ty), mask=real[:, None])
+        tl.store(
+            O + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod,
+            (acc / weights[:, None]).to(O.dtype.element_ty),
+            mask=real[:, None],
+        )

@@ -3,6 +3,7 @@
 Both the runtime and the pipeline's stages use these; they live on the ground floor (serve/), which imports
 nothing above it.
 """
+
 from __future__ import annotations
 
 import torch

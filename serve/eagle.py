@@ -21,6 +21,7 @@ method with its speculative_tokens, and the verifier's name and architecture); m
 `norm.weight`, `lm_head.weight` [draft vocab, hidden], `d2t` (draft id -> target id minus the draft
 id, int64) and `t2d` (target ids in the draft vocabulary, bool). The token embedding is the target's.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from draftsmith.serve.model import (Attention, CachedModel, FeedForward, ModelArgs, RMSNorm, UnsupportedModelError,
-                                    rope_inv_freq)
+from draftsmith.serve.model import Attention, CachedModel, FeedForward, ModelArgs, RMSNorm, UnsupportedModelError, rope_inv_freq
 
 MODEL_TYPE = "eagle3"
 FORMAT = "speculators"
@@ -86,14 +86,14 @@ class EagleLayer(nn.Module):
         normed = self.hidden_norm(h)
         return torch.cat([self.attention_norm(embeds), normed], dim=-1), normed if self.norm_before_residual else h
 
-    def forward(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
-                read: Tensor | None = None) -> Tensor:
+    def forward(
+        self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None
+    ) -> Tensor:
         x, residual = self.attention_input(h, embeds)
         h = residual + self.attention(x, cos, sin, mask, rows, slots, read)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def unrolled(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                 cache: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def unrolled(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
         """One training-time-test step over whole sequences [B, E, hidden]: the keys and values of the
         earlier steps are in `cache` (this step's are appended); `mask` says which each entry sees."""
         x, residual = self.attention_input(h, embeds)
@@ -129,8 +129,7 @@ class EagleHead(CachedModel):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         self.fused_layers = torch.compile(_run_layers, fullgraph=True, dynamic=False)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, fused: bool = False,
-                cache_rows: Tensor | None = None) -> Tensor:
+    def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, fused: bool = False, cache_rows: Tensor | None = None) -> Tensor:
         """embeds, hidden [B, T, hidden] at positions [B, T] -> the head's hidden states [B, T, hidden]
         (before the final norm: what the next entry reads, and what `logits` turns into proposals)."""
         at = self.place(positions, cache_rows)
@@ -153,7 +152,7 @@ class EagleHead(CachedModel):
         caches: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
         positions = torch.arange(E, device=tokens.device).unsqueeze(0)
         for j in range(steps):
-            embeds = embeddings(F.pad(tokens[:, j + 1:], (0, j))).to(hidden.dtype)  # [B, E]: the token at t + j + 1
+            embeds = embeddings(F.pad(tokens[:, j + 1 :], (0, j))).to(hidden.dtype)  # [B, E]: the token at t + j + 1
             cos, sin = rope_at(self.args, positions + j, hidden.dtype)
             mask = ttt_mask(E, j, tokens.device)
             for layer, cache in zip(self.layers, caches):
@@ -161,8 +160,17 @@ class EagleHead(CachedModel):
             yield hidden
 
 
-def _run_layers(layers: nn.ModuleList, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor,
-                slots: Tensor, read: Tensor | None = None) -> Tensor:
+def _run_layers(
+    layers: nn.ModuleList,
+    h: Tensor,
+    embeds: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+    rows: Tensor,
+    slots: Tensor,
+    read: Tensor | None = None,
+) -> Tensor:
     for layer in layers:
         h = layer(h, embeds, cos, sin, mask, rows, slots, read)
     return h
@@ -184,8 +192,13 @@ def rope_at(args: ModelArgs, positions: Tensor, dtype: torch.dtype) -> tuple[Ten
 
 # -- the speculators format --------------------------------------------------------------------------
 
-_RUNTIME_NAMES = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "hidden_norm": "hidden_norm",
-                  "attention.wo": "self_attn.o_proj", "feed_forward.w2": "mlp.down_proj"}
+_RUNTIME_NAMES = {
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "hidden_norm": "hidden_norm",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
 
 
 def to_checkpoint(head: EagleHead) -> dict[str, Tensor]:
@@ -220,8 +233,9 @@ def head_config(head: EagleHead, layer_config: dict[str, Any], verifier: dict[st
         "speculators_config": {
             "algorithm": MODEL_TYPE,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
             "verifier": verifier,
         },
         "transformer_layer_config": layer_config,
@@ -235,17 +249,37 @@ def head_config(head: EagleHead, layer_config: dict[str, Any], verifier: dict[st
 
 def layer_config_of(target_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """The head's decoder-layer config: the target's attention and MLP shape, as a Llama config."""
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-            "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act",
-            "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id")
+    keep = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "max_position_embeddings",
+        "vocab_size",
+        "hidden_act",
+        "attention_bias",
+        "mlp_bias",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
     config = {key: target_config[key] for key in keep if target_config.get(key) is not None}
     config.setdefault("head_dim", target_config["hidden_size"] // target_config["num_attention_heads"])
-    return {**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": num_layers,
-            "tie_word_embeddings": False}
+    return {
+        **config,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": num_layers,
+        "tie_word_embeddings": False,
+    }
 
 
-def save_head(head: EagleHead, out_dir: Path, layer_config: dict[str, Any], verifier: dict[str, Any],
-              num_speculative_tokens: int) -> Path:
+def save_head(head: EagleHead, out_dir: Path, layer_config: dict[str, Any], verifier: dict[str, Any], num_speculative_tokens: int) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(to_checkpoint(head), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(head_config(head, layer_config, verifier, num_speculative_tokens), indent=2))
@@ -267,8 +301,7 @@ def read_head_config(path: Path) -> tuple[ModelArgs, HeadShape, dict]:
     config = json.loads(config_file.read_text())
     if config.get("speculators_model_type") != MODEL_TYPE:
         raise EagleFormatError(f"{config_file}: speculators_model_type {config.get('speculators_model_type')!r}, expected {MODEL_TYPE!r}")
-    missing = [key for key in ("transformer_layer_config", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids")
-               if key not in config]
+    missing = [key for key in ("transformer_layer_config", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids") if key not in config]
     if missing:
         raise EagleFormatError(f"{config_file}: missing {', '.join(missing)}")
     try:
@@ -277,9 +310,12 @@ def read_head_config(path: Path) -> tuple[ModelArgs, HeadShape, dict]:
         raise EagleFormatError(f"{config_file}: transformer_layer_config: {e}") from None
     if args.qkv_bias or args.o_bias or args.mlp_bias:
         raise EagleFormatError(f"{config_file}: heads with attention or MLP biases are not supported")
-    shape = HeadShape(tuple(config["eagle_aux_hidden_state_layer_ids"]),
-                      config.get("target_hidden_size") or args.hidden_size, int(config["draft_vocab_size"]),
-                      bool(config.get("norm_before_residual", True)))
+    shape = HeadShape(
+        tuple(config["eagle_aux_hidden_state_layer_ids"]),
+        config.get("target_hidden_size") or args.hidden_size,
+        int(config["draft_vocab_size"]),
+        bool(config.get("norm_before_residual", True)),
+    )
     return args, shape, config
 
 
@@ -338,8 +374,9 @@ def fit_problems(args: ModelArgs, shape: HeadShape, target_args: ModelArgs) -> l
     if shape.target_hidden_size != target_args.hidden_size:
         problems.append(f"target_hidden_size {shape.target_hidden_size} != the target's hidden size {target_args.hidden_size}")
     if args.hidden_size != target_args.hidden_size:
-        problems.append(f"hidden_size {args.hidden_size} != the target's {target_args.hidden_size} (the head uses the "
-                        "target's token embeddings)")
+        problems.append(
+            f"hidden_size {args.hidden_size} != the target's {target_args.hidden_size} (the head uses the target's token embeddings)"
+        )
     if args.vocab_size != target_args.vocab_size:
         problems.append(f"vocab_size {args.vocab_size} != the target's {target_args.vocab_size}")
     bad = [i for i in shape.aux_layers if not 0 <= i < target_args.num_layers]

@@ -4,6 +4,7 @@
 every sequence has stopped. Finished rows stay in the batch, frozen, so that shapes (and CUDA
 graphs) stay fixed.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ from draftsmith.serve.stats import SpecStats
 from draftsmith.serve.stops import Detokenize, StopChecker
 from draftsmith.serve.weights import load_model, read_config
 
+
 def load_draft(path: Path, dtype: torch.dtype, device: str | torch.device, vocab: Sequence[int] | None = None) -> Transformer | EagleHead:
     """A draft dir: an EAGLE-3 head (speculators format) or a draft model, proposing from `vocab` if given."""
     if is_eagle_dir(path):
@@ -47,6 +49,7 @@ class EngineError(ValueError):
 class Logprobs:
     """The target's log-probabilities along a sequence: of each emitted token, and of the `top` most
     likely tokens at its position (ids, values)."""
+
     top: int = 0
     tokens: list[float] = field(default_factory=list)
     top_tokens: list[tuple[list[int], list[float]]] = field(default_factory=list)
@@ -74,6 +77,7 @@ class Launched:
     """A step queued on the device, with its accepted counts and tokens on their way to host memory:
     the next step can be queued before this one's tokens are read, so that the device never waits for
     the host's stop checks and emission. `out` holds until the next step is launched."""
+
     out: StepOutput
     k: int
     host: Tensor  # [B, K+2]: each row's accepted draft count, then its K+1 tokens
@@ -128,8 +132,13 @@ def detokenizer_of(model_dir: Path) -> Detokenize | None:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def make_proposer(target: Transformer, draft: Transformer | EagleHead | None, draft_forward: GraphedForward | None,
-                  fused: bool, draft_prefill: GraphedPrefill | None = None) -> Proposer | None:
+def make_proposer(
+    target: Transformer,
+    draft: Transformer | EagleHead | None,
+    draft_forward: GraphedForward | None,
+    fused: bool,
+    draft_prefill: GraphedPrefill | None = None,
+) -> Proposer | None:
     """A draft as a proposer; fused: with compiled forwards (inside whole-step graphs), else through
     `draft_forward` (a draft model's graphed forward); a draft model reads prompts through `draft_prefill`."""
     if draft is None:
@@ -143,9 +152,20 @@ def make_proposer(target: Transformer, draft: Transformer | EagleHead | None, dr
 class Engine:
     """Decoding over a target and, optionally, a draft: a small LM (Transformer) or an EAGLE-3 head."""
 
-    def __init__(self, target: Transformer, draft: Transformer | EagleHead | None = None, *, max_batch_size: int = 1,
-                 max_seq_len: int = 2048, cuda_graphs: bool = True, compile_blocks: bool = True, eos_token_ids: frozenset[int] = frozenset(),
-                 detokenize: Detokenize | None = None, verify: Verifier = rejection_sample, overlap: bool | None = None):
+    def __init__(
+        self,
+        target: Transformer,
+        draft: Transformer | EagleHead | None = None,
+        *,
+        max_batch_size: int = 1,
+        max_seq_len: int = 2048,
+        cuda_graphs: bool = True,
+        compile_blocks: bool = True,
+        eos_token_ids: frozenset[int] = frozenset(),
+        detokenize: Detokenize | None = None,
+        verify: Verifier = rejection_sample,
+        overlap: bool | None = None,
+    ):
         self.eagle = isinstance(draft, EagleHead)
         if self.eagle:
             try:
@@ -153,8 +173,10 @@ class Engine:
             except EagleFormatError as e:
                 raise EngineError(str(e)) from None
         elif draft is not None and draft.args.vocab_size != target.args.vocab_size:
-            raise EngineError(f"draft vocab size {draft.args.vocab_size} != target {target.args.vocab_size}: "
-                              "the draft must use the target's tokenizer (distill.draft.init=from_target does this)")
+            raise EngineError(
+                f"draft vocab size {draft.args.vocab_size} != target {target.args.vocab_size}: "
+                "the draft must use the target's tokenizer (distill.draft.init=from_target does this)"
+            )
         self.target, self.draft = target, draft
         self.device = target.output.weight.device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -181,8 +203,11 @@ class Engine:
         # greedy steps with the engine's draft (or plain) run as one graph each; the rest forward by forward.
         # The graphs' proposer factory holds no reference to the engine: a dropped engine frees its graphs
         # at once rather than at a garbage collection, which must not come during another engine's capture
-        self.step_graphs = (GraphedSteps(target, self.hidden_layers, partial(make_proposer, target, draft, None, True),
-                                         self.draft_hidden_size) if self.target_forward.enabled else None)
+        self.step_graphs = (
+            GraphedSteps(target, self.hidden_layers, partial(make_proposer, target, draft, None, True), self.draft_hidden_size)
+            if self.target_forward.enabled
+            else None
+        )
 
     def activate(self) -> None:
         """Put this engine's caches back in its models (another engine over them may have set up its own
@@ -204,8 +229,16 @@ class Engine:
         return DecodeState.idle(batch, self.max_seq_len + 1, self.device, self.draft_hidden_size, self.target.output.weight.dtype)
 
     @classmethod
-    def load(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *, dtype: str = "bfloat16",
-             device: str = "cpu", draft_vocab: Sequence[int] | None = None, **kwargs) -> "Engine":
+    def load(
+        cls,
+        target_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        *,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        draft_vocab: Sequence[int] | None = None,
+        **kwargs,
+    ) -> "Engine":
         """An engine over HF model dirs (the tokenizer and EOS ids come from the target's dir). The draft
         dir holds a draft model or an EAGLE-3 head (speculators format); draft_vocab: the token ids a
         draft model proposes from (None: all)."""
@@ -215,8 +248,7 @@ class Engine:
         kwargs.setdefault("max_seq_len", min(2048, read_config(target_dir).get("max_position_embeddings", 2048)))
         return cls(target, draft, eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir), **kwargs)
 
-    def check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int,
-               proposer: Proposer | None) -> None:
+    def check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int, proposer: Proposer | None) -> None:
         if not prompts:
             raise EngineError("no prompts given")
         if len(prompts) > self.max_batch_size:
@@ -232,12 +264,15 @@ class Engine:
             if any(not 0 <= token < vocab for token, _ in p.logit_bias):
                 raise EngineError(f"prompt {i}: logit_bias names token ids outside the vocabulary [0, {vocab})")
             if len(prompt) + p.max_new_tokens + k + 1 > self.max_seq_len:
-                raise EngineError(f"prompt {i}: {len(prompt)} prompt tokens + {p.max_new_tokens} new tokens "
-                                  f"+ {k + 1} speculative slots exceed max_seq_len {self.max_seq_len}")
+                raise EngineError(
+                    f"prompt {i}: {len(prompt)} prompt tokens + {p.max_new_tokens} new tokens "
+                    f"+ {k + 1} speculative slots exceed max_seq_len {self.max_seq_len}"
+                )
 
     @torch.inference_mode()
-    def prefill(self, prompts: Sequence[Sequence[int]], rows: RowSampling, generator,
-                cache_rows: Tensor | None = None) -> tuple[DecodeState, Tensor]:
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], rows: RowSampling, generator, cache_rows: Tensor | None = None
+    ) -> tuple[DecodeState, Tensor]:
         """Both models read the prompts into their caches (rows 0..B-1, or `cache_rows`); the state holds
         each row's first token, drawn from the target's last logits [B, V] (returned too)."""
         self.activate()
@@ -258,9 +293,14 @@ class Engine:
         return DecodeState(lengths=lengths, pending=first, previous=previous, draft_hidden=draft_hidden), last
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 num_speculative_tokens: int = 0, proposer: Proposer | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> Generation:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        num_speculative_tokens: int = 0,
+        proposer: Proposer | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ) -> Generation:
         """Generate for each prompt; K = num_speculative_tokens (0: plain decoding with the target),
         proposed by `proposer` (default: the draft model). on_tokens(row, tokens) hears each row's
         tokens as they are kept, for streaming."""
@@ -301,12 +341,21 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         generation.seconds = time.perf_counter() - started
-        generation.completions = [Completion(list(p), s.tokens, s.finish_reason or "length", s.text, lp)
-                                  for p, s, lp in zip(prompts, stops, logprobs)]
+        generation.completions = [
+            Completion(list(p), s.tokens, s.finish_reason or "length", s.text, lp) for p, s, lp in zip(prompts, stops, logprobs)
+        ]
         return generation
 
-    def step(self, state: DecodeState, active: Tensor, k: int, rows: RowSampling, generator: Random,
-             proposer: Proposer | None, histories: Sequence[Sequence[int]] = ()) -> StepOutput:
+    def step(
+        self,
+        state: DecodeState,
+        active: Tensor,
+        k: int,
+        rows: RowSampling,
+        generator: Random,
+        proposer: Proposer | None,
+        histories: Sequence[Sequence[int]] = (),
+    ) -> StepOutput:
         """One decoding step (K = 0: plain); the `active` rows of `state` advance in place. The output's
         tensors hold until the next step."""
         self.activate()
@@ -314,8 +363,16 @@ class Engine:
             return self.step_graphs(state, active, k)
         return decode_step(self.target_forward, proposer, state, active, k, rows, generator, self.verify, histories)
 
-    def launch(self, state: DecodeState, active: Tensor, k: int, rows: RowSampling, generator: Random,
-               proposer: Proposer | None, histories: Sequence[Sequence[int]] = ()) -> Launched:
+    def launch(
+        self,
+        state: DecodeState,
+        active: Tensor,
+        k: int,
+        rows: RowSampling,
+        generator: Random,
+        proposer: Proposer | None,
+        histories: Sequence[Sequence[int]] = (),
+    ) -> Launched:
         """`step`, with its accepted counts and tokens copied to host memory as the device finishes it."""
         out = self.step(state, active, k, rows, generator, proposer, histories)
         both = torch.cat([out.num_accepted.unsqueeze(1).to(out.tokens.dtype), out.tokens], dim=1)
@@ -353,21 +410,32 @@ class Engine:
         return sorted(times)[len(times) // 2]
 
     @staticmethod
-    def emit_first(state: DecodeState, last: Tensor, stops: list[StopChecker], logprobs: list[Logprobs | None],
-                   on_tokens: Callable[[int, list[int]], None] | None) -> None:
+    def emit_first(
+        state: DecodeState,
+        last: Tensor,
+        stops: list[StopChecker],
+        logprobs: list[Logprobs | None],
+        on_tokens: Callable[[int, list[int]], None] | None,
+    ) -> None:
         """Hand each prefilled row its first token (stops, logprobs from the target's `last` logits [B, V],
         on_tokens)."""
         first = state.pending.tolist()
         for i, stop in enumerate(stops):
             if stop.append([first[i]]):
                 if logprobs[i] is not None:
-                    logprobs[i].add(last[i:i + 1].float().log_softmax(-1), [first[i]])
+                    logprobs[i].add(last[i : i + 1].float().log_softmax(-1), [first[i]])
                 if on_tokens:
                     on_tokens(i, [first[i]])
 
-    def emit(self, launched: Launched, active_rows: list[bool], stops: list[StopChecker],
-             logprobs: list[Logprobs | None], stats: SpecStats,
-             on_tokens: Callable[[int, list[int]], None] | None) -> list[int]:
+    def emit(
+        self,
+        launched: Launched,
+        active_rows: list[bool],
+        stops: list[StopChecker],
+        logprobs: list[Logprobs | None],
+        stats: SpecStats,
+        on_tokens: Callable[[int, list[int]], None] | None,
+    ) -> list[int]:
         """Hand each active row its kept tokens (stops, logprobs, on_tokens) and count the step;
         returns each row's accepted draft count. Logprobs read the step's target logits: emit a step
         that has rows wanting them before the next step is launched."""

@@ -8,6 +8,7 @@ no gap between kernels and no Python in between; the one sync left is reading th
 the same calls run eagerly. `GraphedPrefill` replays the target's prompt forward (prefill) per (batch,
 length) bucket.
 """
+
 from __future__ import annotations
 
 import gc
@@ -64,8 +65,14 @@ class GraphedForward:
     """A model's forward, replayed from a CUDA graph per (batch, tokens) shape. A draft's returns logits;
     a target's (hidden_layers given, maybe empty) returns what `target_forward` does."""
 
-    def __init__(self, model: Transformer, enabled: bool = True, compile_blocks: bool = True, max_tokens: int = 16,
-                 hidden_layers: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        enabled: bool = True,
+        compile_blocks: bool = True,
+        max_tokens: int = 16,
+        hidden_layers: tuple[int, ...] | None = None,
+    ):
         self.model = model
         device = model.output.weight.device
         self.enabled = enabled and device.type == "cuda"
@@ -103,8 +110,9 @@ class GraphedSteps:
     """Greedy decoding steps as CUDA graphs, one per (batch, K); K = 0 is a plain step. `proposer()`
     makes the engine's proposer with compiled forwards (None without a draft)."""
 
-    def __init__(self, target: Transformer, hidden_layers: tuple[int, ...], proposer: Callable[[], Proposer | None],
-                 hidden_size: int | None = None):
+    def __init__(
+        self, target: Transformer, hidden_layers: tuple[int, ...], proposer: Callable[[], Proposer | None], hidden_size: int | None = None
+    ):
         self.target, self.hidden_layers, self.proposer, self.hidden_size = target, hidden_layers, proposer, hidden_size
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeState, Tensor, StepOutput]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -164,8 +172,9 @@ class GraphedPrefill:
         B, T = tokens.shape
         shape = self.shape(B, T)
         if shape is None:
-            out = self.model(tokens, positions, logits_at=(lengths - 1).unsqueeze(1), cache_rows=cache_rows,
-                             hidden_layers=self.hidden_layers)
+            out = self.model(
+                tokens, positions, logits_at=(lengths - 1).unsqueeze(1), cache_rows=cache_rows, hidden_layers=self.hidden_layers
+            )
             last, hidden = out if self.hidden_layers else (out, None)
             return last[:, 0], hidden
         graph, static, out = self.graphs.get(shape) or self.capture(*shape)
@@ -192,13 +201,22 @@ class GraphedPrefill:
     @torch.inference_mode()
     def capture(self, batch: int, length: int):
         device = self.model.output.weight.device
-        static = {"tokens": torch.zeros(batch, length, dtype=torch.long, device=device),
-                  "positions": torch.full((batch, length), self.model.max_seq_len, dtype=torch.long, device=device),
-                  "logits_at": torch.zeros(batch, 1, dtype=torch.long, device=device),
-                  "cache_rows": torch.zeros(batch, dtype=torch.long, device=device)}
+        static = {
+            "tokens": torch.zeros(batch, length, dtype=torch.long, device=device),
+            "positions": torch.full((batch, length), self.model.max_seq_len, dtype=torch.long, device=device),
+            "logits_at": torch.zeros(batch, 1, dtype=torch.long, device=device),
+            "cache_rows": torch.zeros(batch, dtype=torch.long, device=device),
+        }
         # warm-up and capture write the spare slot of cache row 0 only
-        graph, out = record_graph(lambda: self.model(static["tokens"], static["positions"], logits_at=static["logits_at"],
-                                                     cache_rows=static["cache_rows"], hidden_layers=self.hidden_layers),
-                                  self.pool)
+        graph, out = record_graph(
+            lambda: self.model(
+                static["tokens"],
+                static["positions"],
+                logits_at=static["logits_at"],
+                cache_rows=static["cache_rows"],
+                hidden_layers=self.hidden_layers,
+            ),
+            self.pool,
+        )
         self.graphs[(batch, length)] = (graph, static, out)
         return self.graphs[(batch, length)]

@@ -1,5 +1,6 @@
 """The server's Prometheus metrics: the spec-decode counters under vLLM's names with our prefix (DESIGN.md),
 queue gauges, token counters and latency histograms."""
+
 from __future__ import annotations
 
 from draftsmith.serve.stats import SpecStats
@@ -23,8 +24,9 @@ class Metrics:
         self.prompt_tokens = tokens("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = tokens("generation_tokens", "tokens generated for finished requests")
         self.k = Gauge(f"{PREFIX}spec_decode_num_speculative_tokens", "K of the latest step (0: plain)", registry=self.registry)
-        hist = lambda name, doc: Histogram(f"{PREFIX}{name}", doc, registry=self.registry,
-                                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        hist = lambda name, doc: Histogram(
+            f"{PREFIX}{name}", doc, registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        )
         self.ttft = hist("time_to_first_token_seconds", "time to first token")
         self.tpot = hist("time_per_output_token_seconds", "time per output token after the first")
         self.e2e = hist("e2e_request_latency_seconds", "end-to-end request latency")

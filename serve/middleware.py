@@ -1,4 +1,5 @@
 """ASGI middleware in front of the API: the API key, and the size of request bodies."""
+
 from __future__ import annotations
 
 from draftsmith.serve.protocol import error
@@ -31,8 +32,10 @@ class BodyGuard:
                 return await self.too_large()(scope, receive, send)
             if not message.get("more_body", False):
                 break
-        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-                 + [(b"content-type", b"application/json")]}
+        scope = {
+            **scope,
+            "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"] + [(b"content-type", b"application/json")],
+        }
         delivered = False
 
         async def replay():

@@ -5,6 +5,7 @@ One forward takes `tokens [B, T]` at `positions [B, T]` (each row at its own off
 position p attends to cache slots 0..p. Rolling a sequence back is therefore just moving its length:
 slots past the length are overwritten before anything can attend to them.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(f"model_type {model_type!r} is not supported by draftsmith's runtime "
-                                        f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported by draftsmith's runtime (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         heads = cfg["num_attention_heads"]
@@ -174,12 +176,12 @@ class Attention(nn.Module):
         if q.device.type == "cpu" and T > 1:
             y = folded_attention(q.transpose(1, 2), keys, values, mask)
         else:
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                               enable_gqa=self.args.num_heads != self.args.num_kv_heads)  # [B, H, T, D]
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.args.num_heads != self.args.num_kv_heads
+            )  # [B, H, T, D]
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
-                read: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x, cos, sin)
         assert self.cache is not None, "call setup_cache first"
         self.cache.write(rows, slots, k, v)
@@ -228,8 +230,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
-                read: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, rows, slots, read)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -238,6 +239,7 @@ class Block(nn.Module):
 class Placement:
     """Where a forward's tokens sit: cache rows and slots [B, T], rope tables [B, T, 1, D] and the
     attention mask [B, 1, T, S] (a query at position p sees slots 0..p)."""
+
     rows: Tensor
     slots: Tensor
     cos: Tensor
@@ -249,6 +251,7 @@ class Placement:
 @dataclass
 class CacheState:
     """What setup_cache allocates: a KV cache per attention layer and the rotary tables for its slots."""
+
     caches: list[KVCache]
     rope_cos: Tensor
     rope_sin: Tensor
@@ -260,6 +263,7 @@ class CacheState:
 class CachedModel(nn.Module):
     """A stack of attention layers over a static KV cache indexed by position: the target and draft
     decoders (Transformer) and the EAGLE-3 head (serve/eagle.py)."""
+
     args: ModelArgs
     cache_state: CacheState  # the cache in use (setup_cache, use_cache)
 
@@ -277,17 +281,27 @@ class CachedModel(nn.Module):
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> "CacheState":
         """Allocate the static KV cache and put it in use. One spare slot takes the writes of padding positions."""
         if self.args.sliding_window is not None and max_seq_len > self.args.sliding_window:
-            raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the model's sliding window "
-                                        f"{self.args.sliding_window}, which the runtime does not implement")
+            raise UnsupportedModelError(
+                f"max_seq_len {max_seq_len} exceeds the model's sliding window "
+                f"{self.args.sliding_window}, which the runtime does not implement"
+            )
         weight = next(self.parameters())
         slots = max_seq_len + 1
-        caches = [KVCache(max_batch_size, self.args.num_kv_heads, slots, self.args.head_dim, weight.dtype, weight.device)
-                  for _ in self.attention_layers()]
+        caches = [
+            KVCache(max_batch_size, self.args.num_kv_heads, slots, self.args.head_dim, weight.dtype, weight.device)
+            for _ in self.attention_layers()
+        ]
         inv_freq = rope_inv_freq(self.args).to(weight.device)
         freqs = torch.outer(torch.arange(slots, device=weight.device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
-        state = CacheState(caches, emb.cos().to(weight.dtype), emb.sin().to(weight.dtype),
-                           torch.arange(slots, device=weight.device), max_batch_size, max_seq_len)
+        state = CacheState(
+            caches,
+            emb.cos().to(weight.dtype),
+            emb.sin().to(weight.dtype),
+            torch.arange(slots, device=weight.device),
+            max_batch_size,
+            max_seq_len,
+        )
         self.use_cache(state)
         return state
 
@@ -309,10 +323,11 @@ class CachedModel(nn.Module):
         B, T = positions.shape
         slots = positions.clamp(max=self.max_seq_len)  # padding writes land in the spare slot
         row_ids = torch.arange(B, device=positions.device) if cache_rows is None else cache_rows
-        mask = (self.slot_ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1))  # [B, 1, T, S]
+        mask = self.slot_ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1)  # [B, 1, T, S]
         mask = mask & (self.slot_ids.view(1, 1, 1, -1) < self.max_seq_len)
-        return Placement(row_ids.unsqueeze(1).expand(B, T), slots, self.rope_cos[slots].unsqueeze(2),
-                         self.rope_sin[slots].unsqueeze(2), mask, cache_rows)
+        return Placement(
+            row_ids.unsqueeze(1).expand(B, T), slots, self.rope_cos[slots].unsqueeze(2), self.rope_sin[slots].unsqueeze(2), mask, cache_rows
+        )
 
 
 class Transformer(CachedModel):
@@ -346,8 +361,15 @@ class Transformer(CachedModel):
         self.vocab = token_ids.to(self.output.weight.device)
         self.vocab_head = self.output.weight[self.vocab].clone()  # [V', hidden]
 
-    def forward(self, tokens: Tensor, positions: Tensor, fused: bool = False, logits_at: Tensor | None = None,
-                cache_rows: Tensor | None = None, hidden_layers: tuple[int, ...] = ()) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        fused: bool = False,
+        logits_at: Tensor | None = None,
+        cache_rows: Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> Tensor | tuple[Tensor, Tensor]:
         # tokens, positions: [B, T] with B <= max_batch_size; positions past max_seq_len are padding.
         # fused: run the compiled blocks (fixed decode shapes only: each new shape compiles again).
         # logits_at [B, T']: indices into T whose logits are wanted (prefill needs only the last one)
@@ -368,6 +390,7 @@ class Transformer(CachedModel):
         return (logits, torch.cat([entering[i] for i in hidden_layers], dim=-1)) if hidden_layers else logits
 
 
-def _run_block(layer: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor,
-               read: Tensor | None = None) -> Tensor:
+def _run_block(
+    layer: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None
+) -> Tensor:
     return layer(x, cos, sin, mask, rows, slots, read)

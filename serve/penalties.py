@@ -11,6 +11,7 @@ them; the draft's logits are penalised the same way as it proposes. So the penal
 what rejection sampling keeps exactly, and greedy speculative output equals plain greedy output with the
 same penalties.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -33,8 +34,9 @@ class Penalties:
     counts: Tensor  # [B, V] float32: each token's count in the output so far
 
     @classmethod
-    def of(cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab_size: int,
-           device: torch.device | str) -> "Penalties | None":
+    def of(
+        cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+    ) -> "Penalties | None":
         """The penalties of a batch's rows (None when no row has any): the prompts read, nothing output yet."""
         if not any(p.penalised for p in params):
             return None
@@ -46,15 +48,27 @@ class Penalties:
                 bias[i, 0, token] = value
             if p.repetition_penalty != 1.0:
                 in_prompt[i, torch.tensor(list(prompt), dtype=torch.long)] = True
-        return cls(scalar("presence_penalty"), scalar("frequency_penalty"), scalar("repetition_penalty"), bias.to(device),
-                   in_prompt.to(device), torch.zeros(len(params), vocab_size, device=device))
+        return cls(
+            scalar("presence_penalty"),
+            scalar("frequency_penalty"),
+            scalar("repetition_penalty"),
+            bias.to(device),
+            in_prompt.to(device),
+            torch.zeros(len(params), vocab_size, device=device),
+        )
 
     @classmethod
     def none(cls, batch: int, vocab_size: int, device: torch.device | str) -> "Penalties":
         """`batch` rows without penalties (a scheduler's batch, before requests take its rows)."""
         full = lambda value: torch.full((batch, 1, 1), value, device=device)
-        return cls(full(0.0), full(0.0), full(1.0), torch.zeros(batch, 1, vocab_size, device=device),
-                   torch.zeros(batch, vocab_size, dtype=torch.bool, device=device), torch.zeros(batch, vocab_size, device=device))
+        return cls(
+            full(0.0),
+            full(0.0),
+            full(1.0),
+            torch.zeros(batch, 1, vocab_size, device=device),
+            torch.zeros(batch, vocab_size, dtype=torch.bool, device=device),
+            torch.zeros(batch, vocab_size, device=device),
+        )
 
     def apply(self, logits: Tensor, drafts: Tensor | None = None) -> Tensor:
         """Penalised logits [B, T, V] (float32) from logits [B, T, V]; position t follows the output so far
@@ -64,7 +78,7 @@ class Penalties:
         T = logits.shape[1]
         if drafts is not None and drafts.shape[1]:
             ahead = F.one_hot(drafts, counts.shape[-1]).float().cumsum(1)  # [B, D, V]
-            ahead = torch.cat([torch.zeros_like(ahead[:, :1]), ahead], dim=1)[:, drafts.shape[1] - T + 1:]  # [B, T, V]
+            ahead = torch.cat([torch.zeros_like(ahead[:, :1]), ahead], dim=1)[:, drafts.shape[1] - T + 1 :]  # [B, T, V]
             counts = counts + ahead
         x = logits.float() + self.bias
         seen = (counts > 0) | self.in_prompt.unsqueeze(1)

@@ -8,6 +8,7 @@ lookup decoding), at no model cost. A model proposer may draw from a subset of t
 frequent tokens: a cheaper LM head); a token outside it is simply never proposed, and at T > 0 its
 distribution is renormalised over the subset, so verification stays exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,6 @@ from draftsmith.serve.model import Transformer
 from draftsmith.serve.sampling import Random, RowSampling, greedy, probabilities, sample
 from draftsmith.serve.speculative import DecodeState, Forward, StepOutput
 
-
 VOCAB_FILE = "draft_vocab.json"  # beside a draft model: the token ids it proposes from ({"token_ids": [...]})
 
 
@@ -35,11 +35,13 @@ def read_vocab(directory: Path) -> list[int] | None:
 class Proposer(Protocol):
     reads_history: bool  # whether propose() needs each row's tokens so far
 
-    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
-                histories: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor | None]: ...
+    def propose(
+        self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]]
+    ) -> tuple[Tensor, Tensor | None]: ...
 
-    def prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, first: Tensor, target_hidden: Tensor | None,
-                cache_rows: Tensor | None) -> Tensor | None:
+    def prefill(
+        self, tokens: Tensor, positions: Tensor, lengths: Tensor, first: Tensor, target_hidden: Tensor | None, cache_rows: Tensor | None
+    ) -> Tensor | None:
         """Read the prompts (tokens, positions [B, T], right-padded to `lengths`; `first` [B] the token
         sampled after them); returns the state's draft_hidden (None when it keeps none)."""
 
@@ -55,8 +57,9 @@ def full_vocab_logits(logits: Tensor, vocab: Tensor | None, vocab_size: int) -> 
     return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, vocab, logits)
 
 
-def draw(logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSampling, generator: Random,
-         drafts: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+def draw(
+    logits: Tensor, vocab: Tensor | None, vocab_size: int, rows: RowSampling, generator: Random, drafts: list[Tensor]
+) -> tuple[Tensor, Tensor | None]:
     """One proposal per row from logits [B, 1, V'] over `vocab`, after the step's `drafts` so far: the
     tokens [B, 1] as target ids, and the distributions [B, 1, V] they were drawn from (None if greedy).
     Penalties and logit bias apply as to the target's logits (serve/penalties.py)."""
@@ -77,8 +80,9 @@ class DraftModel:
         self.model, self.forward, self.vocab_size = model, forward, vocab_size  # forward: model's, maybe graphed
         self.prompt_forward = prompt_forward  # (tokens, positions, lengths, cache_rows): the graphed prefill, if any
 
-    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
-                histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
+    def propose(
+        self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
+    ) -> tuple[Tensor, Tensor | None]:
         positions = state.lengths.unsqueeze(1)  # [B, 1]
         # the draft re-reads `previous` with `pending`, so its cache is whole after any rejection
         logits = self.forward(torch.stack([state.previous, state.pending], dim=1), torch.cat([positions - 1, positions], dim=1))
@@ -115,13 +119,15 @@ class EagleProposer:
     """An EAGLE-3 head: proposals from the head's hidden state for the position before `pending`
     (state.draft_hidden), each next one from the head's own output; after the target's forward the
     head reads the positions the target read, with their hidden states (serve/eagle.py)."""
+
     reads_history = False
 
     def __init__(self, head: EagleHead, embeddings: torch.nn.Embedding, fused: bool = False):
         self.head, self.embeddings, self.fused = head, embeddings, fused
 
-    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
-                histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
+    def propose(
+        self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
+    ) -> tuple[Tensor, Tensor | None]:
         hidden = state.draft_hidden.unsqueeze(1)  # [B, 1, hidden]: the entry of position lengths - 1
         tokens, probs = [], []
         for i in range(k):
@@ -134,8 +140,9 @@ class EagleProposer:
                 hidden = self.head(self.embeddings(token), hidden, positions, fused=self.fused)
         return torch.cat(tokens, dim=1), (torch.cat(probs, dim=1) if probs else None)
 
-    def prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, first: Tensor, target_hidden: Tensor,
-                cache_rows: Tensor | None) -> Tensor:
+    def prefill(
+        self, tokens: Tensor, positions: Tensor, lengths: Tensor, first: Tensor, target_hidden: Tensor, cache_rows: Tensor | None
+    ) -> Tensor:
         # the entry of position t reads the token at t + 1: the prompt shifted left, then the first sampled token
         following = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1).scatter(1, (lengths - 1).unsqueeze(1), first.unsqueeze(1))
         hidden = self.head(self.embeddings(following), self.head.fc(target_hidden), positions, cache_rows=cache_rows)
@@ -155,8 +162,8 @@ def lookup(history: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> li
     for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
         suffix = list(history[-n:])
         for start in range(len(history) - n - 1, -1, -1):  # latest match first, never the suffix itself
-            if list(history[start:start + n]) == suffix:
-                follow = list(history[start + n:start + n + k])
+            if list(history[start : start + n]) == suffix:
+                follow = list(history[start + n : start + n + k])
                 return follow + [follow[-1]] * (k - len(follow))
     return [history[-1]] * k
 
@@ -167,8 +174,9 @@ class PromptLookup:
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
 
-    def propose(self, state: DecodeState, k: int, rows: RowSampling, generator: Random,
-                histories: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor | None]:
+    def propose(
+        self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
+    ) -> tuple[Tensor, Tensor | None]:
         device = state.lengths.device
         tokens = torch.tensor([lookup(h, k, self.max_ngram, self.min_ngram) for h in histories], device=device)  # [B, K]
         if rows.all_greedy:

@@ -1,6 +1,7 @@
 """The OpenAI API's request and response shapes: the completions and chat request models, with the checks
 that refuse what this server would otherwise answer differently than asked, and the response pieces
 (usage, log-probabilities, the error object)."""
+
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
@@ -13,11 +14,12 @@ from draftsmith.serve.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_N = 64  # choices per request: each is a row of the running batch
-INT64 = (-(2 ** 63), 2 ** 63 - 1)  # a seed seeds a torch generator: a signed 64-bit integer
+INT64 = (-(2**63), 2**63 - 1)  # a seed seeds a torch generator: a signed 64-bit integer
 
 
 class Strict(BaseModel):
     """Fields take their own JSON type only: `true` is no integer, "yes" no boolean; NaN and infinity are no number."""
+
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
 
@@ -27,13 +29,14 @@ class StreamOptions(Strict):
 
 class Sampling(Strict):
     """The sampling fields both endpoints take; null means the default, as in OpenAI's API."""
+
     ECHOES: ClassVar[bool] = False  # `echo` (the prompt before the completion): the completions API only
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context (OpenAI and vLLM do the same)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=2 ** 31 - 1)  # vLLM's extension: -1 or 0 turn it off
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # vLLM's extension: -1 or 0 turn it off
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension: 0 turns it off
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1])  # the request's own generator: the same seed, the same text
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -60,14 +63,21 @@ class Sampling(Strict):
 
     def params(self, max_new_tokens: int) -> SamplingParams:
         logprobs, top = self.wanted_logprobs()
-        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
-                              min_p=self.min_p or 0.0,
-                              seed=self.seed, max_new_tokens=max_new_tokens, stop=tuple(self.stops()), logprobs=logprobs,
-                              top_logprobs=top, presence_penalty=self.presence_penalty or 0.0,
-                              frequency_penalty=self.frequency_penalty or 0.0,
-                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                              logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()))
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            max_new_tokens=max_new_tokens,
+            stop=tuple(self.stops()),
+            logprobs=logprobs,
+            top_logprobs=top,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
+        )
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

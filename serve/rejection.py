@@ -4,6 +4,7 @@ Draft token d_i drawn from q_i is kept with probability min(1, p_i(d_i) / q_i(d_
 rejection the token is redrawn from normalise(max(p_i - q_i, 0)); if all K are kept, a bonus token is
 drawn from p_{K+1}. The emitted tokens then follow the target's distribution p exactly.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -15,12 +16,10 @@ from draftsmith.serve.sampling import Random, sample, uniform
 
 
 class Verifier(Protocol):
-    def __call__(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                 generator: Random) -> tuple[Tensor, Tensor]: ...
+    def __call__(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, generator: Random) -> tuple[Tensor, Tensor]: ...
 
 
-def rejection_sample(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                     generator: Random) -> tuple[Tensor, Tensor]:
+def rejection_sample(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, generator: Random) -> tuple[Tensor, Tensor]:
     """Returns (num_accepted [B], tokens [B, K+1]): tokens[:, :n] are accepted drafts, tokens[:, n] the
     corrected or bonus token; what follows is undefined."""
     B, K = draft_tokens.shape
@@ -32,8 +31,7 @@ def rejection_sample(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     return num_accepted, append_correction(num_accepted, draft_tokens, draft_probs, target_probs, generator)
 
 
-def append_correction(num_accepted: Tensor, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                      generator: Random) -> Tensor:
+def append_correction(num_accepted: Tensor, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, generator: Random) -> Tensor:
     """The step's tokens [B, K+1]: accepted drafts, then a draw from normalise(max(p_n - q_n, 0)) at the
     first rejection n, or from p_{K+1} (the bonus) when all K were accepted."""
     B = draft_tokens.shape[0]

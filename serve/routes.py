@@ -1,5 +1,6 @@
 """The HTTP routes: the OpenAI endpoints (completions and chat, whole or streamed), the model list, and the
 health, readiness and metrics endpoints; every error in OpenAI's error shape."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from draftsmith.serve.engine import EngineError
-from draftsmith.serve.protocol import (MAX_N, ChatRequest, CompletionRequest, error, invalid_unicode, token_logprobs,
-                                       token_usage)
+from draftsmith.serve.protocol import MAX_N, ChatRequest, CompletionRequest, error, invalid_unicode, token_logprobs, token_usage
 from draftsmith.serve.sampling import SamplingError, SamplingParams
 from draftsmith.serve.scheduler import Request as EngineRequest
 from draftsmith.serve.stops import StopStrings
@@ -69,8 +69,13 @@ def add_routes(app: FastAPI, server: "Server") -> None:
 
         return PlainTextResponse(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    model_card = lambda: {"id": server.model_name, "object": "model", "owned_by": "draftsmith", "created": 0,
-                          "max_model_len": server.max_model_len}
+    model_card = lambda: {
+        "id": server.model_name,
+        "object": "model",
+        "owned_by": "draftsmith",
+        "created": 0,
+        "max_model_len": server.max_model_len,
+    }
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -120,8 +125,9 @@ def token_refusal(server: "Server", request: CompletionRequest | ChatRequest, pr
     return None
 
 
-def choices_of(server: "Server", request: CompletionRequest | ChatRequest, chat: bool, prompts: list[list[int]],
-               automaton: StopStrings | None) -> list[tuple[list[int], SamplingParams]] | JSONResponse:
+def choices_of(
+    server: "Server", request: CompletionRequest | ChatRequest, chat: bool, prompts: list[list[int]], automaton: StopStrings | None
+) -> list[tuple[list[int], SamplingParams]] | JSONResponse:
     """(prompt ids, params) of each choice: n for each prompt, each a row of the batch; or the 400 that
     refuses the request."""
     asked = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
@@ -130,15 +136,17 @@ def choices_of(server: "Server", request: CompletionRequest | ChatRequest, chat:
         room = server.max_model_len - len(ids)
         new_tokens = request.max_new_tokens(room)
         if room < 1 or new_tokens > room:
-            return error(400, f"{len(ids)} prompt tokens + {asked} {new_tokens} exceed the context of "
-                              f"{server.max_model_len} tokens", asked if room >= 1 else ("messages" if chat else "prompt"))
+            return error(
+                400,
+                f"{len(ids)} prompt tokens + {asked} {new_tokens} exceed the context of {server.max_model_len} tokens",
+                asked if room >= 1 else ("messages" if chat else "prompt"),
+            )
         try:
             params = replace(request.params(new_tokens), stop_automaton=automaton)
         except SamplingError as e:
             return error(400, str(e))
         # with a seed, a prompt's choice i samples with seed + i
-        jobs += [(ids, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i))
-                 for i in range(request.n or 1)]
+        jobs += [(ids, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)) for i in range(request.n or 1)]
     if len(jobs) > MAX_N:
         return error(400, f"n: at most {MAX_N} choices per request (prompts x n)", "n")
     return jobs
@@ -157,8 +165,9 @@ async def handle(server: "Server", request: CompletionRequest | ChatRequest, cha
     prompts = await asyncio.to_thread(server.prompt_ids, request)
     if refused := token_refusal(server, request, prompts):
         return refused
-    automaton = await asyncio.get_running_loop().run_in_executor(STOP_BUILDER, StopStrings, tuple(request.stops())) \
-        if request.stop else None
+    automaton = (
+        await asyncio.get_running_loop().run_in_executor(STOP_BUILDER, StopStrings, tuple(request.stops())) if request.stop else None
+    )
     jobs = choices_of(server, request, chat, prompts, automaton)
     if isinstance(jobs, JSONResponse):
         return jobs
@@ -177,8 +186,7 @@ async def handle(server: "Server", request: CompletionRequest | ChatRequest, cha
     prompt_tokens = sum(len(ids) for ids in prompts)
     if request.stream:
         usage = request.stream_options is not None and request.stream_options.include_usage
-        return StreamingResponse(stream(server, reply, submitted, updates, prompt_tokens, usage, echoes),
-                                 media_type="text/event-stream")
+        return StreamingResponse(stream(server, reply, submitted, updates, prompt_tokens, usage, echoes), media_type="text/event-stream")
     try:
         results = await finished(server, submitted, updates, http, reply.started)
     finally:
@@ -191,11 +199,22 @@ async def handle(server: "Server", request: CompletionRequest | ChatRequest, cha
     body = []
     for i, result in enumerate(results):
         text = echoes[i] + server.text_of(result)
-        body.append({"index": i, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
-                     "finish_reason": result.finish_reason,
-                     "logprobs": token_logprobs(server.tokenizer, result.tokens, result.logprobs, chat) if result.logprobs else None})
-    return {"id": reply.id, "object": reply.kind, "created": reply.created, "model": server.model_name, "choices": body,
-            "usage": token_usage(prompt_tokens, sum(len(r.tokens) for r in results))}
+        body.append(
+            {
+                "index": i,
+                **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
+                "finish_reason": result.finish_reason,
+                "logprobs": token_logprobs(server.tokenizer, result.tokens, result.logprobs, chat) if result.logprobs else None,
+            }
+        )
+    return {
+        "id": reply.id,
+        "object": reply.kind,
+        "created": reply.created,
+        "model": server.model_name,
+        "choices": body,
+        "usage": token_usage(prompt_tokens, sum(len(r.tokens) for r in results)),
+    }
 
 
 async def finished(server: "Server", submitted: list[EngineRequest], updates: asyncio.Queue, http: Request, started: float):
@@ -214,8 +233,9 @@ async def finished(server: "Server", submitted: list[EngineRequest], updates: as
         if isinstance(item, tuple):
             results[index] = item[1]
             if not isinstance(item[1], BaseException):
-                server.metrics.observe_request(len(item[1].prompt_tokens), len(item[1].tokens), started, first_at.get(index),
-                                               time.perf_counter())
+                server.metrics.observe_request(
+                    len(item[1].prompt_tokens), len(item[1].tokens), started, first_at.get(index), time.perf_counter()
+                )
         elif item and index not in first_at:
             first_at[index] = time.perf_counter()
             server.metrics.ttft.observe(first_at[index] - started)

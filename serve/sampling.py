@@ -3,6 +3,7 @@
 Greedy (temperature 0) is the one-hot distribution of the argmax, so the rejection sampler needs no
 special case: a greedy draft token is accepted exactly when it equals the target's argmax.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class SamplingParams:
 @dataclass
 class RowSampling:
     """Per-row sampling settings of a batch as tensors, so mixed requests share one step."""
+
     temperature: Tensor  # [B]
     top_p: Tensor  # [B]
     top_k: Tensor  # [B], 0 = off
@@ -143,6 +145,7 @@ class RowGenerators:
     """The batch's generator and, for each row whose request gave a seed, that request's own: a seeded
     request draws the same numbers whatever rows share its steps (at the same K). Every draw is still
     uniform, so sampling stays exact."""
+
     shared: torch.Generator | None
     rows: dict[int, torch.Generator]
 

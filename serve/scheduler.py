@@ -8,6 +8,7 @@ at warm-up for that batch size; K = 0 (plain decoding) when no K beats it, with 
 `PROBE_EVERY` plain steps so that a request's acceptance can recover. Every step is the engine's own
 speculative or plain step, so output stays exactly the target's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     stats: SpecStats = field(default_factory=SpecStats)
     logprobs: Logprobs | None = None  # the target's log-probabilities of its kept tokens, when asked for: each
-                                      # token's entry is there before on_tokens hears the token
+    # token's entry is there before on_tokens hears the token
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Acceptance:
     it kept the ones before. A step of K drafts with `a` kept tried a + 1 drafts (the first one refused)
     when a < K, and K when all were kept: alpha's estimate is kept / tried, over decaying sums that start
     from the prior. (The fraction kept, a / K, is no estimate of it: with alpha 0.8 and K = 7 it is 0.45.)"""
+
     kept: float
     tried: float
 
@@ -87,6 +89,7 @@ class Running:
 @dataclass
 class Prefilled:
     """Requests read into rows of the batch, ready to join it."""
+
     requests: list[Request]
     rows: list[int]
     stops: list[StopChecker]
@@ -99,6 +102,7 @@ class Prefilled:
 @dataclass
 class StepCostTable:
     """Milliseconds per whole greedy step on this device, by (batch size, K); K = 0 is a plain step."""
+
     step_ms: dict[tuple[int, int], float]
 
     def best_k(self, batch: int, alphas: list[float], max_k: int) -> int:
@@ -108,9 +112,16 @@ class StepCostTable:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, num_speculative_tokens: int, adaptive: bool = True, prior_alpha: float = 0.5,
-                 seed: int | None = None, on_step: Callable[[int, list[int]], None] = lambda k, accepted: None,
-                 proposer: Proposer | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        num_speculative_tokens: int,
+        adaptive: bool = True,
+        prior_alpha: float = 0.5,
+        seed: int | None = None,
+        on_step: Callable[[int, list[int]], None] = lambda k, accepted: None,
+        proposer: Proposer | None = None,
+    ):
         """proposer: what drafts (default: the engine's draft model or head; prompt lookup reads each row's
         text so far, so its steps are handed out before the next launch)."""
         self.proposer = proposer or engine.draft_proposer
@@ -172,8 +183,12 @@ class Scheduler:
                 for prefill in (e.target_prefill, e.draft_prefill):
                     if prefill is not None:
                         prefill.capture_all(b)
-                log.info("warm-up: batch %d's sampled forwards and prefills captured (%.0f s%s)", b, time.perf_counter() - started,
-                         _memory(e.device))
+                log.info(
+                    "warm-up: batch %d's sampled forwards and prefills captured (%.0f s%s)",
+                    b,
+                    time.perf_counter() - started,
+                    _memory(e.device),
+                )
 
     def _time_steps(self, batch: int) -> None:
         self.costs.step_ms.update({(batch, k): self.engine.time_step(batch, k, proposer=self.proposer) for k in range(self.max_k + 1)})
@@ -239,8 +254,11 @@ class Scheduler:
         if earlier is not None:
             self._hand_out(*earlier)
         if launched is not None:
-            if (not self.engine.overlap or self._reads_history(launched[0].k)
-                    or any(r is not None and r.request.logprobs is not None for r in launched[1])):
+            if (
+                not self.engine.overlap
+                or self._reads_history(launched[0].k)
+                or any(r is not None and r.request.logprobs is not None for r in launched[1])
+            ):
                 self._hand_out(*launched)
             else:
                 self.in_flight = launched
@@ -252,8 +270,7 @@ class Scheduler:
         active = self._active(tuple(r is not None for r in running))
         state = self.state.rows(n)  # views: they advance in place
         histories = [r.request.prompt + r.stop.tokens if r is not None else [0] for r in running] if self._reads_history(k) else []
-        return self.engine.launch(state, active, k, self._row_sampling(running), self._random(running), self.proposer,
-                                  histories), running
+        return self.engine.launch(state, active, k, self._row_sampling(running), self._random(running), self.proposer, histories), running
 
     def _reads_history(self, k: int) -> bool:
         return k > 0 and self.proposer.reads_history
@@ -267,8 +284,7 @@ class Scheduler:
     def _hand_out(self, launched: Launched, running: list[Running | None]) -> None:
         """Deliver a step's kept tokens to the requests it ran for that are still going (a request that
         stopped or was cancelled since the launch gets nothing), then retire the ones it finished."""
-        live = [r if r is not None and r.stop.finish_reason is None and not r.request.cancelled.is_set() else None
-                for r in running]
+        live = [r if r is not None and r.stop.finish_reason is None and not r.request.cancelled.is_set() else None for r in running]
         active_rows = [r is not None for r in live]
         stops = [r.stop if r is not None else None for r in live]
         deliver = lambda i, tokens: live[i].request.on_tokens(tokens)
@@ -324,7 +340,7 @@ class Scheduler:
         if not joining:
             return
         try:
-            prefilled = [self._prefill(joining, free[:len(joining)])]
+            prefilled = [self._prefill(joining, free[: len(joining)])]
         except Exception:  # noqa: BLE001 - find the request at fault
             prefilled = []
             for request, row in zip(joining, free):
@@ -335,8 +351,13 @@ class Scheduler:
         for p in prefilled:
             for request in p.requests:
                 request.logprobs = Logprobs.of(request.params)
-            self.engine.emit_first(p.state, p.last, p.stops, [r.logprobs for r in p.requests],
-                                   lambda i, tokens, requests=p.requests: requests[i].on_tokens(tokens))
+            self.engine.emit_first(
+                p.state,
+                p.last,
+                p.stops,
+                [r.logprobs for r in p.requests],
+                lambda i, tokens, requests=p.requests: requests[i].on_tokens(tokens),
+            )
             if p.penalties is not None and self.penalties is None:
                 self.penalties = Penalties.none(len(self.rows), self.engine.target.args.vocab_size, self.engine.device)
             for i, (request, row, stop) in enumerate(zip(p.requests, p.rows, p.stops)):
@@ -352,13 +373,16 @@ class Scheduler:
         the state with the target's last logits, and their penalties (the first token counted)."""
         stops = [StopChecker(r.params, self.engine.eos_token_ids, self.engine.detokenize) for r in requests]
         sampling = RowSampling.of([r.params for r in requests], self.engine.device)
-        sampling.penalties = Penalties.of([r.params for r in requests], [r.prompt for r in requests],
-                                          self.engine.target.args.vocab_size, self.engine.device)
-        own = {i: torch.Generator(self.engine.device).manual_seed(r.params.seed) for i, r in enumerate(requests)
-               if r.params.seed is not None}
+        sampling.penalties = Penalties.of(
+            [r.params for r in requests], [r.prompt for r in requests], self.engine.target.args.vocab_size, self.engine.device
+        )
+        own = {
+            i: torch.Generator(self.engine.device).manual_seed(r.params.seed) for i, r in enumerate(requests) if r.params.seed is not None
+        }
         cache_rows = to_device(rows, self.engine.device)
-        state, last = self.engine.prefill([r.prompt for r in requests], sampling, RowGenerators.of(self.generator, own),
-                                          cache_rows=cache_rows)
+        state, last = self.engine.prefill(
+            [r.prompt for r in requests], sampling, RowGenerators.of(self.generator, own), cache_rows=cache_rows
+        )
         if sampling.penalties is not None:
             sampling.penalties.record_first(state.pending)
         return Prefilled(requests, rows, stops, own, state, last, sampling.penalties)
@@ -373,5 +397,4 @@ class Scheduler:
         self.rows[row] = None
         if self.num_running == 0:
             self.plain_steps = 0  # a request that comes alone next sees the K choices any lone request does
-        r.request.on_done(Completion(r.request.prompt, r.stop.tokens, r.stop.finish_reason or "length", r.stop.text,
-                                     r.request.logprobs))
+        r.request.on_done(Completion(r.request.prompt, r.stop.tokens, r.stop.finish_reason or "length", r.stop.text, r.request.logprobs))

@@ -7,6 +7,7 @@ per step (see there). Bad input gets a 4xx with an OpenAI-style error body (serv
 server keeps serving; a client that goes away frees its row. The API key and body size are checked in
 front of it all (serve/middleware.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,8 @@ from draftsmith.serve.metrics import Metrics
 from draftsmith.serve.middleware import BodyGuard
 from draftsmith.serve.protocol import ChatRequest, CompletionRequest
 from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.scheduler import Request as EngineRequest, Scheduler
+from draftsmith.serve.scheduler import Request as EngineRequest
+from draftsmith.serve.scheduler import Scheduler
 
 log = logging.getLogger("draftsmith")
 # stop strings a request may send, and their length: matching costs time linear in both (serve/stops.py), and
@@ -35,9 +37,18 @@ MAX_STOP_CHARS = 4096
 class Server:
     """The engine and its scheduler on their own thread, the tokenizer, and the metrics: what the routes use."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, num_speculative_tokens: int, max_model_len: int,
-                 adaptive_k: bool = True, smooth_stream: int = 0, max_stop_strings: int = MAX_STOP_STRINGS,
-                 max_stop_chars: int = MAX_STOP_CHARS):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        model_name: str,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        adaptive_k: bool = True,
+        smooth_stream: int = 0,
+        max_stop_strings: int = MAX_STOP_STRINGS,
+        max_stop_chars: int = MAX_STOP_CHARS,
+    ):
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.k, self.smooth_stream = num_speculative_tokens, smooth_stream
         self.max_stop_strings, self.max_stop_chars = max_stop_strings, max_stop_chars
@@ -56,6 +67,7 @@ class Server:
 
     def start(self) -> None:
         """The engine thread: warm-up (step costs, CUDA graphs), then /ready, then the batch loop."""
+
         def run() -> None:
             try:
                 self.scheduler.warm_up()

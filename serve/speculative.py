@@ -8,6 +8,7 @@ it reads the same two (`Proposer.follow`), so that its cache stays whole while a
 instead catches up after the target's forward (`Proposer.follow`) and keeps its hidden state for the
 position before `pending` in `draft_hidden`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -35,8 +36,7 @@ class DecodeState:
     previous: Tensor  # [B]
     draft_hidden: Tensor | None = None  # [B, hidden]: an EAGLE-3 head's output at position lengths - 1
 
-    def advance(self, active: Tensor, num_accepted: Tensor, fed: Tensor, emitted: Tensor,
-                draft_hidden: Tensor | None = None) -> None:
+    def advance(self, active: Tensor, num_accepted: Tensor, fed: Tensor, emitted: Tensor, draft_hidden: Tensor | None = None) -> None:
         """Move active rows past their accepted tokens, in place (a state of views into a larger batch
         advances that batch); finished rows stay where they are.
         fed [B, K+1]: the tokens the target read this step; emitted [B, K+1]: the step's output."""
@@ -61,8 +61,9 @@ class DecodeState:
                 mine[row] = getattr(other, f.name)[source]
 
     @classmethod
-    def idle(cls, batch: int, beyond: int, device: torch.device, hidden_size: int | None = None,
-             dtype: torch.dtype = torch.float32) -> "DecodeState":
+    def idle(
+        cls, batch: int, beyond: int, device: torch.device, hidden_size: int | None = None, dtype: torch.dtype = torch.float32
+    ) -> "DecodeState":
         """Rows parked at position `beyond` (past the cache's end, so every write lands in its spare slot):
         what graph capture and step timing run on."""
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)
@@ -82,9 +83,16 @@ class StepOutput:
     target_hidden: Tensor | None = None  # [B, K+1, F]: what an EAGLE-3 head reads of the positions the target read
 
 
-def speculative_step(target: TargetForward, proposer: "Proposer", state: DecodeState, k: int, rows: RowSampling,
-                     generator: Random, verify: Verifier = rejection_sample,
-                     histories: Sequence[Sequence[int]] = ()) -> StepOutput:
+def speculative_step(
+    target: TargetForward,
+    proposer: "Proposer",
+    state: DecodeState,
+    k: int,
+    rows: RowSampling,
+    generator: Random,
+    verify: Verifier = rejection_sample,
+    histories: Sequence[Sequence[int]] = (),
+) -> StepOutput:
     """Propose K tokens, score K+1 positions in one target forward, keep what the verifier accepts.
     `proposer` is a serve.proposers.Proposer; `histories` each row's tokens so far (prompt lookup reads them)."""
     draft_tokens, draft_probs = proposer.propose(state, k, rows, generator, histories)  # [B, K], [B, K, V]
@@ -110,9 +118,17 @@ def plain_step(target: TargetForward, state: DecodeState, rows: RowSampling, gen
     return StepOutput(torch.zeros_like(state.lengths), tokens, target_logits, hidden)
 
 
-def decode_step(target: TargetForward, proposer: "Proposer | None", state: DecodeState, active: Tensor, k: int,
-                rows: RowSampling, generator: Random, verify: Verifier = rejection_sample,
-                histories: Sequence[Sequence[int]] = ()) -> StepOutput:
+def decode_step(
+    target: TargetForward,
+    proposer: "Proposer | None",
+    state: DecodeState,
+    active: Tensor,
+    k: int,
+    rows: RowSampling,
+    generator: Random,
+    verify: Verifier = rejection_sample,
+    histories: Sequence[Sequence[int]] = (),
+) -> StepOutput:
     """One step, speculative (K > 0) or plain, then the `active` rows of `state` advance past what it kept."""
     if k > 0:
         out = speculative_step(target, proposer, state, k, rows, generator, verify, histories)

@@ -12,6 +12,7 @@ Glossary (vLLM's terms; eval.json, /metrics, bench tables and the model card fol
   tokens / drafts; for a per-token alpha, (1 - alpha^(K+1)) / (1 - alpha) (expected_tokens);
 - acceptance_by_position[i]: the fraction of drafts whose (i+1)-th draft token was accepted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -64,9 +65,14 @@ class SpecStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafts_per_position)]
 
     def as_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
-                "tau": self.tau, "acceptance_by_position": self.acceptance_by_position}
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "tau": self.tau,
+            "acceptance_by_position": self.acceptance_by_position,
+        }
 
 
 def expected_tokens(alpha: float, k: int) -> float:

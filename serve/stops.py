@@ -5,6 +5,7 @@ as it grows: the time is linear in the text and the stop strings together, howev
 they are (a search of the whole text per token for each stop string took the square of the length). Its
 state also says how much of the text's end could still begin a stop string: what a stream holds back.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,6 +71,7 @@ class StopStrings:
 @dataclass
 class StopScan:
     """One text's progress through the automaton."""
+
     automaton: StopStrings
     state: int = 0
     length: int = 0  # characters fed
@@ -100,6 +102,7 @@ class IncrementalText:
     """A token sequence's text as it grows, decoding only from the last decode's start (decoding the whole
     sequence each time costs its length in time; the overlap keeps spacing and merged bytes right), less a
     last character still cut in two."""
+
     decode: Detokenize
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -109,11 +112,11 @@ class IncrementalText:
     def extend(self, tokens: list[int]) -> str:
         """Take more tokens; return the text they added (maybe empty, until a character is whole)."""
         self.tokens += tokens
-        known = self.decode(self.tokens[self.window:self.decoded])
-        both = self.decode(self.tokens[self.window:])
+        known = self.decode(self.tokens[self.window : self.decoded])
+        both = self.decode(self.tokens[self.window :])
         if len(both) <= len(known) or both.endswith("\ufffd"):
             return ""
-        added = both[len(known):]
+        added = both[len(known) :]
         self.text += added
         self.window, self.decoded = self.decoded, len(self.tokens)
         return added

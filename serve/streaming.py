@@ -1,5 +1,6 @@
 """Streaming a reply as server-sent events in OpenAI's chunk format: each choice's text as its tokens are
 kept, never a piece that a stop string may still cut away, so streamed and whole replies say the same."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Reply:
     """What every chunk or body of one API response carries."""
+
     chat: bool
     id: str
     created: int
@@ -38,6 +40,7 @@ class Reply:
 @dataclass
 class Streamed:
     """One choice of a stream: its text as it grows, what stop strings still hold back, and what went out."""
+
     text: IncrementalText
     scan: StopScan | None  # the request's stop strings over this choice's text (None: it has none)
     sent: str = ""  # text sent
@@ -57,25 +60,33 @@ class Streamed:
         text = self.text.text
         if self.scan is None:
             return text
-        return text[:self.scan.found] if self.scan.found is not None else text[:len(text) - self.scan.held]
+        return text[: self.scan.found] if self.scan.found is not None else text[: len(text) - self.scan.held]
 
 
-async def stream(server: "Server", reply: Reply, submitted: list[EngineRequest], updates: asyncio.Queue, prompt_tokens: int,
-                 include_usage: bool, echoes: list[str]) -> AsyncIterator[str]:
+async def stream(
+    server: "Server",
+    reply: Reply,
+    submitted: list[EngineRequest],
+    updates: asyncio.Queue,
+    prompt_tokens: int,
+    include_usage: bool,
+    echoes: list[str],
+) -> AsyncIterator[str]:
     """SSE chunks of every choice as its tokens are kept (in groups of `smooth_stream`, evenly paced,
     when set), with those tokens' log-probabilities when asked for, after its echoed prompt if any; a
     client that goes away frees its rows at the scheduler's next step."""
     chat, started = reply.chat, reply.started
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-    event = lambda body: "data: " + json.dumps({"id": reply.id, "object": chunk_kind, "created": reply.created,
-                                                "model": server.model_name, **body}) + "\n\n"
+    event = lambda body: (
+        "data: " + json.dumps({"id": reply.id, "object": chunk_kind, "created": reply.created, "model": server.model_name, **body}) + "\n\n"
+    )
 
     def chunk(index: int, delta: dict, finish: str | None = None) -> str:
         request, choice = submitted[index], choices[index]
         logprobs = None
         if request.logprobs is not None:  # the entries of the tokens received since the last chunk
             tokens = choice.text.tokens
-            logprobs = token_logprobs(server.tokenizer, tokens[choice.logged:], request.logprobs.window(choice.logged, len(tokens)), chat)
+            logprobs = token_logprobs(server.tokenizer, tokens[choice.logged :], request.logprobs.window(choice.logged, len(tokens)), chat)
             choice.logged = len(tokens)
         body = {"delta": delta} if chat else {"text": delta.get("content", "")}
         return event({"choices": [{"index": index, "finish_reason": finish, "logprobs": logprobs, **body}]})
@@ -87,8 +98,18 @@ async def stream(server: "Server", reply: Reply, submitted: list[EngineRequest],
     try:
         for index, echo in enumerate(echoes):
             if chat or echo:
-                yield event({"choices": [{"index": index, "finish_reason": None, "logprobs": None,
-                                          **({"delta": {"role": "assistant", "content": ""}} if chat else {"text": echo})}]})
+                yield event(
+                    {
+                        "choices": [
+                            {
+                                "index": index,
+                                "finish_reason": None,
+                                "logprobs": None,
+                                **({"delta": {"role": "assistant", "content": ""}} if chat else {"text": echo}),
+                            }
+                        ]
+                    }
+                )
         while len(results) < len(submitted):
             index, item = await updates.get()
             request, choice = submitted[index], choices[index]
@@ -98,9 +119,8 @@ async def stream(server: "Server", reply: Reply, submitted: list[EngineRequest],
                     yield "data: " + json.dumps({"error": {"message": str(result), "type": "server_error"}}) + "\n\n"
                     break
                 final = server.text_of(result)
-                yield chunk(index, {"content": final[len(choice.sent):]} if final.startswith(choice.sent) else {}, result.finish_reason)
-                server.metrics.observe_request(len(result.prompt_tokens), len(result.tokens), started, choice.first_at,
-                                               time.perf_counter())
+                yield chunk(index, {"content": final[len(choice.sent) :]} if final.startswith(choice.sent) else {}, result.finish_reason)
+                server.metrics.observe_request(len(result.prompt_tokens), len(result.tokens), started, choice.first_at, time.perf_counter())
                 results[index] = result
                 continue
             now = time.perf_counter()
@@ -112,14 +132,14 @@ async def stream(server: "Server", reply: Reply, submitted: list[EngineRequest],
                 choice.step_s = 0.7 * choice.step_s + 0.3 * gap if choice.step_s else gap
             choice.last_burst = now
             group = server.smooth_stream or len(item)
-            groups = [item[i:i + group] for i in range(0, len(item), group)]
+            groups = [item[i : i + group] for i in range(0, len(item), group)]
             for j, part in enumerate(groups):
                 if j and updates.empty():  # pace the burst over the expected step time, never behind
                     await asyncio.sleep(choice.step_s / len(groups))
                 choice.extend(part)
                 text = choice.settled()
                 if text.startswith(choice.sent) and len(text) > len(choice.sent):  # the text holds whole characters only
-                    yield chunk(index, {"content": text[len(choice.sent):]})
+                    yield chunk(index, {"content": text[len(choice.sent) :]})
                     choice.sent = text
         if include_usage and len(results) == len(submitted):
             yield event({"choices": [], "usage": token_usage(prompt_tokens, sum(len(r.tokens) for r in results.values()))})

@@ -1,4 +1,5 @@
 """Loading HF safetensors model dirs into the runtime's Transformer (no transformers needed)."""
+
 from __future__ import annotations
 
 import json
@@ -65,16 +66,19 @@ def check_fits(path: str | Path, dtype: torch.dtype, device: str | torch.device,
     exceed what `device` has free."""
     need, free = weight_bytes(Path(path), dtype), free_bytes(device) if free is None else free
     if need / shards > free:
-        gib = 2 ** 30
+        gib = 2**30
         split = f", {need / shards / gib:.1f} GiB on each of {shards} devices," if shards > 1 else ""
-        raise WeightsError(f"{path} does not fit: its weights take {need / gib:.1f} GiB in {str(dtype).removeprefix('torch.')}"
-                           f"{split} and {device} has {free / gib:.1f} GiB free. Use a device with more memory, a smaller "
-                           f"target, or more devices: distill.teacher.tensor_parallel splits the target across a torchrun "
-                           f"launch's processes for the teacher stage, and distillation from its logit cache needs no target")
+        raise WeightsError(
+            f"{path} does not fit: its weights take {need / gib:.1f} GiB in {str(dtype).removeprefix('torch.')}"
+            f"{split} and {device} has {free / gib:.1f} GiB free. Use a device with more memory, a smaller "
+            f"target, or more devices: distill.teacher.tensor_parallel splits the target across a torchrun "
+            f"launch's processes for the teacher stage, and distillation from its logit cache needs no target"
+        )
 
 
 def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     """Rename HF tensors to the runtime's and fuse q/k/v and gate/up projections."""
+
     def take(name: str) -> Tensor:
         try:
             return hf[name]
@@ -82,7 +86,9 @@ def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor
             raise WeightsError(f"tensor {name!r} is missing from the checkpoint") from None
 
     state = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    state["output.weight"] = hf.get("lm_head.weight", state["tok_embeddings.weight"]) if args.tie_word_embeddings else take("lm_head.weight")
+    state["output.weight"] = (
+        hf.get("lm_head.weight", state["tok_embeddings.weight"]) if args.tie_word_embeddings else take("lm_head.weight")
+    )
     for i in range(args.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         state[q + "attention_norm.weight"] = take(p + "input_layernorm.weight")

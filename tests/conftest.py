@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random models of each supported family, saved as real HF dirs."""
+
 from __future__ import annotations
 
 import os
@@ -19,13 +20,31 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm2")
 def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
-                  bos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     if family == "llama":  # Llama 3.1-style rope scaling, untied head
-        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if family == "qwen2":  # q/k/v bias, tied head
         return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
     if family == "qwen3":  # q/k RMSNorm per head, an explicit head_dim other than hidden / heads, tied head
@@ -33,8 +52,11 @@ def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
     if family == "mistral":
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=4096)
     if family == "smollm2":  # SmolLM2's shape in miniature: tied, 3:1 GQA, head_dim 16
-        return LlamaConfig(**{**common, "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96},
-                           tie_word_embeddings=True, rope_theta=100000.0)
+        return LlamaConfig(
+            **{**common, "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96},
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+        )
     raise ValueError(family)
 
 

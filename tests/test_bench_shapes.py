@@ -1,4 +1,5 @@
 """`draftsmith bench shapes` on a tiny shape on CPU: every row measured, and the projection is tau(K) x plain / step."""
+
 import json
 import subprocess
 import sys
@@ -13,9 +14,40 @@ DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
 
 def test_a_tiny_shape_is_measured_and_projected(tmp_path):
     out = tmp_path / "shapes.json"
-    done = subprocess.run([DRAFTSMITH, "bench", "shapes", "--shape", "tiny", "--batch", "1", "--batch", "2", "--k", "2", "--k", "3",
-                           "--alpha", "0.7", "--new-tokens", "8", "--prompt-tokens", "6", "--repeats", "1", "--device", "cpu",
-                           "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            DRAFTSMITH,
+            "bench",
+            "shapes",
+            "--shape",
+            "tiny",
+            "--batch",
+            "1",
+            "--batch",
+            "2",
+            "--k",
+            "2",
+            "--k",
+            "3",
+            "--alpha",
+            "0.7",
+            "--new-tokens",
+            "8",
+            "--prompt-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]

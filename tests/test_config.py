@@ -1,4 +1,5 @@
 """Configuration: composed from conf/, typed, validated once with messages naming key and allowed values."""
+
 import pytest
 from hydra import compose, initialize_config_module
 
@@ -29,11 +30,17 @@ def test_gpu_preset_changes_budgets():
     assert cfg.evaluate.min_alpha == 0.55  # the production alert threshold, outside the demo
 
 
-@pytest.mark.parametrize("override,message", [
-    ("distill.loss=kl", r"Invalid value 'kl', expected one of \[forward_kl, reverse_kl, jsd, tvd, hard_label\](.|\n)*full_key: distill.loss"),
-    ("device=tpu", r"Invalid value 'tpu', expected one of \[auto, cpu, cuda\](.|\n)*full_key: device"),
-    ("draft.init=copy", r"expected one of \[from_target, scratch, pretrained\](.|\n)*full_key: draft.init"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "distill.loss=kl",
+            r"Invalid value 'kl', expected one of \[forward_kl, reverse_kl, jsd, tvd, hard_label\](.|\n)*full_key: distill.loss",
+        ),
+        ("device=tpu", r"Invalid value 'tpu', expected one of \[auto, cpu, cuda\](.|\n)*full_key: device"),
+        ("draft.init=copy", r"expected one of \[from_target, scratch, pretrained\](.|\n)*full_key: draft.init"),
+    ],
+)
 def test_enum_values_are_refused_at_composition(override, message):
     with pytest.raises(Exception) as refused:
         composed(override)
@@ -42,17 +49,20 @@ def test_enum_values_are_refused_at_composition(override, message):
     assert re.search(message, f"{refused.value}\n{refused.value.__cause__}")
 
 
-@pytest.mark.parametrize("override,message", [
-    ("quantize.bits=3", r"quantize.bits=3: fewer than 4 bits is refused"),
-    ("quantize.group_size=100", r"quantize.group_size=100 is not allowed: null \(auto\), 32, 64 or 128"),
-    ("data.eval_fraction=1.5", r"data.eval_fraction=1.5 is not allowed: a fraction in \(0, 1\)"),
-    ("distill.max_steps=0", r"distill.max_steps=0 is not allowed: 1 or more"),
-    ("evaluate.speed_repeats=0", r"evaluate.speed_repeats=0 is not allowed: 1 or more"),
-    ("serve.max_model_len=8", r"serve.max_model_len=8 is not allowed: 16 or more"),
-    ("distill.on_policy_fraction=1.5", r"distill.on_policy_fraction=1.5 is not allowed: a fraction in \[0, 1\]"),
-    ("distill.on_policy_fraction=0.5,distill.loss=hard_label", r"0 with distill.loss=hard_label"),
-    ("distill.on_policy_fraction=0.5,draft=eagle3", r"0 for draft=eagle3"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("quantize.bits=3", r"quantize.bits=3: fewer than 4 bits is refused"),
+        ("quantize.group_size=100", r"quantize.group_size=100 is not allowed: null \(auto\), 32, 64 or 128"),
+        ("data.eval_fraction=1.5", r"data.eval_fraction=1.5 is not allowed: a fraction in \(0, 1\)"),
+        ("distill.max_steps=0", r"distill.max_steps=0 is not allowed: 1 or more"),
+        ("evaluate.speed_repeats=0", r"evaluate.speed_repeats=0 is not allowed: 1 or more"),
+        ("serve.max_model_len=8", r"serve.max_model_len=8 is not allowed: 16 or more"),
+        ("distill.on_policy_fraction=1.5", r"distill.on_policy_fraction=1.5 is not allowed: a fraction in \[0, 1\]"),
+        ("distill.on_policy_fraction=0.5,distill.loss=hard_label", r"0 with distill.loss=hard_label"),
+        ("distill.on_policy_fraction=0.5,draft=eagle3", r"0 for draft=eagle3"),
+    ],
+)
 def test_bad_values_name_the_key_and_allowed_values(override, message):
     with pytest.raises(ConfigError, match=message):
         validate(composed(*override.split(",")))
@@ -65,8 +75,9 @@ def test_wrong_type_is_refused():
 
 def test_cluster_launchers_compose_with_draftsmith_defaults():
     with initialize_config_module(config_module="draftsmith.conf", version_base="1.3"):
-        slurm = compose(config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
-                        return_hydra_config=True).hydra.launcher
+        slurm = compose(
+            config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"], return_hydra_config=True
+        ).hydra.launcher
         local = compose(config_name="config", overrides=["hydra/launcher=local"], return_hydra_config=True).hydra.launcher
     assert slurm._target_.endswith("SlurmLauncher") and local._target_.endswith("LocalLauncher")
     assert (slurm.partition, slurm.gpus_per_node, slurm.timeout_min, slurm.max_num_timeout) == ("gpu", 1, 240, 3)

@@ -3,6 +3,7 @@
 Needs a GPU (CI has none, so these are skipped there); run on the GPU machine with
 `python3 -m pytest -q tests/test_cuda_graphs.py`.
 """
+
 import pytest
 import torch
 
@@ -35,7 +36,11 @@ def engine(tiny_models, dtype, batch, graphs, compile_blocks=False, kind="draft 
 
 
 def outputs(e, prompts, k, batch, params=SamplingParams(max_new_tokens=24)):
-    return [c.tokens for i in range(0, len(prompts), batch) for c in e.generate(prompts[i:i + batch], params, num_speculative_tokens=k).completions]
+    return [
+        c.tokens
+        for i in range(0, len(prompts), batch)
+        for c in e.generate(prompts[i : i + batch], params, num_speculative_tokens=k).completions
+    ]
 
 
 def test_step_graphs_equal_eager_decoding(tiny_models, kind, head_dir):
@@ -45,8 +50,10 @@ def test_step_graphs_equal_eager_decoding(tiny_models, kind, head_dir):
     graphed = engine(tiny_models, torch.float64, 4, True, kind=kind, head_dir=head_dir)
     expected = outputs(eager, prompts, 0, 4)
     for k in (1, 3, 5):  # the heads' catch-up in the graph keeps them where eager decoding keeps them
-        assert eager.generate(prompts[:4], SamplingParams(max_new_tokens=24), k).stats.as_dict() == \
-            graphed.generate(prompts[:4], SamplingParams(max_new_tokens=24), k).stats.as_dict(), f"K={k}"
+        assert (
+            eager.generate(prompts[:4], SamplingParams(max_new_tokens=24), k).stats.as_dict()
+            == graphed.generate(prompts[:4], SamplingParams(max_new_tokens=24), k).stats.as_dict()
+        ), f"K={k}"
     for k in (0, 1, 3, 5):
         assert outputs(graphed, prompts, k, 4) == expected, f"K={k}"
         assert outputs(graphed, prompts[:4], k, 1) == expected[:4], f"K={k}, batch 1"

@@ -1,4 +1,5 @@
 """Domain data: file formats, chat messages, the hash split, the demo prompt set."""
+
 import json
 
 import pandas as pd
@@ -12,8 +13,9 @@ RECORDS = [{"id": f"r{i}", "prompt": f"How do I close account number {i}?"} for 
 
 
 def config(path, **kw):
-    return DataConfig(path=str(path), prompt_field=kw.get("prompt_field", "prompt"), eval_fraction=0.25,
-                      max_prompts=kw.get("max_prompts"), seed=0)
+    return DataConfig(
+        path=str(path), prompt_field=kw.get("prompt_field", "prompt"), eval_fraction=0.25, max_prompts=kw.get("max_prompts"), seed=0
+    )
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "datasets"])

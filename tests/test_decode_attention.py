@@ -1,6 +1,7 @@
 """The GPU decode-attention kernel (serve/decode_attention.py), run by triton's interpreter on CPU tensors
 in float32 (the interpreter must be switched on before triton is imported: a subprocess), against torch's
 attention under the mask that CachedModel.place builds."""
+
 import os
 import subprocess
 import sys

@@ -1,6 +1,7 @@
 """The deployment folder: both Dockerfiles lint clean (hadolint), the CUDA start check refuses a host
 driver older than the image's CUDA with a clear message and runs the server otherwise, and the compose
 file and the Prometheus / Grafana provisioning fit together and with the files they mount."""
+
 import os
 import re
 import shutil
@@ -63,6 +64,7 @@ def test_compose_mounts_existing_files_and_wires_prometheus_and_grafana():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = compose["services"]
     assert {"server", "vllm", "prometheus", "grafana"} <= set(services)
+
     def mount(volume):  # (source, target); ${VAR:?message} holds colons of its own
         return tuple(re.sub(r"\$\{[^}]*\}", "$VAR", volume).split(":")[:2])
 

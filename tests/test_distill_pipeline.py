@@ -1,5 +1,6 @@
 """data -> teacher -> distill on a tiny chat target: held-out split, logit cache, training that lowers
 the held-out TVD, a sweep sharing one teacher cache, and exact resume after SIGKILL."""
+
 import json
 import os
 import re
@@ -16,10 +17,27 @@ DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
 
 
 def args_for(target: Path, root: Path, *extra: str, multirun: bool = False) -> list[str]:
-    return [DRAFTSMITH, "run", *(["-m"] if multirun else []), "experiment=t", "target=hf", f"target.name_or_path={target}", f"paths.root={root}",
-            "tracking.enabled=false", "data.max_prompts=40", "data.eval_fraction=0.2", "distill.teacher.max_new_tokens=12",
-            "distill.teacher.top_k_logits=16", "distill.batch_size=4", "draft.num_layers=1", "distill.warmup_steps=2",
-            "distill.learning_rate=3e-3", "distill.freeze_embeddings=false", "stop_after=distill", *extra]
+    return [
+        DRAFTSMITH,
+        "run",
+        *(["-m"] if multirun else []),
+        "experiment=t",
+        "target=hf",
+        f"target.name_or_path={target}",
+        f"paths.root={root}",
+        "tracking.enabled=false",
+        "data.max_prompts=40",
+        "data.eval_fraction=0.2",
+        "distill.teacher.max_new_tokens=12",
+        "distill.teacher.top_k_logits=16",
+        "distill.batch_size=4",
+        "draft.num_layers=1",
+        "distill.warmup_steps=2",
+        "distill.learning_rate=3e-3",
+        "distill.freeze_embeddings=false",
+        "stop_after=distill",
+        *extra,
+    ]
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -63,8 +81,11 @@ def test_distillation_lowers_held_out_tvd_and_a_sweep_shares_the_teacher(tiny_ch
     # freeze_embeddings: the layers learn, the (tied) embedding table and LM head stay the target's
     frozen_args = [a.replace("freeze_embeddings=false", "freeze_embeddings=true") for a in args_for(tiny_chat_target, root, *online)]
     run(frozen_args, tmp_path)
-    frozen = next(p for p in (root / "distill").iterdir() if not p.name.startswith(".")
-                  and json.loads((p / "stage.json").read_text())["config"]["distill"]["freeze_embeddings"])
+    frozen = next(
+        p
+        for p in (root / "distill").iterdir()
+        if not p.name.startswith(".") and json.loads((p / "stage.json").read_text())["config"]["distill"]["freeze_embeddings"]
+    )
     from safetensors.torch import load_file
 
     before, after = load_file(frozen / "initial" / "model.safetensors"), load_file(frozen / "draft" / "model.safetensors")
@@ -82,8 +103,13 @@ def test_sigkill_then_rerun_resumes_and_ends_where_an_uninterrupted_run_ends(tin
     expected = record(straight, "distill")["metrics"]
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen(args_for(tiny_chat_target, killed, *settings), cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        args_for(tiny_chat_target, killed, *settings),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 600
     state = None
     while time.time() < deadline and process.poll() is None:
@@ -121,10 +147,24 @@ def test_two_processes_shard_the_teacher_then_train_data_parallel(tiny_chat_targ
 
     root = tmp_path / "runs"
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    args = args_for(tiny_chat_target, root, "distill.max_steps=6", "distill.eval_every=3", "device=cpu",
-                    "distill.teacher.tensor_parallel=true", "target.dtype=float32", "distill.teacher.extra_samples=1")
-    done = subprocess.run([torchrun, "--nproc_per_node=2", "--master_port=29517", "-m", "draftsmith.pipeline.cli", *args[1:]],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
+    args = args_for(
+        tiny_chat_target,
+        root,
+        "distill.max_steps=6",
+        "distill.eval_every=3",
+        "device=cpu",
+        "distill.teacher.tensor_parallel=true",
+        "target.dtype=float32",
+        "distill.teacher.extra_samples=1",
+    )
+    done = subprocess.run(
+        [torchrun, "--nproc_per_node=2", "--master_port=29517", "-m", "draftsmith.pipeline.cli", *args[1:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert record(root, "teacher")["metrics"]["target_split_across"] == 2
     teacher = datasets.load_from_disk(str(Path(record(root, "teacher")["path"]) / "teacher")).to_list()
@@ -136,16 +176,23 @@ def test_two_processes_shard_the_teacher_then_train_data_parallel(tiny_chat_targ
     for row in sampled[:4]:  # sampled at T = 0.8, cached at T = 1: the target's own distribution at each position
         ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
         with torch.inference_mode():
-            expected = whole(ids).logits[0, len(row["prompt_ids"]) - 1:-1].log_softmax(-1)
+            expected = whole(ids).logits[0, len(row["prompt_ids"]) - 1 : -1].log_softmax(-1)
         got = torch.tensor(row["topk_logprobs"])
         assert torch.allclose(got, expected.gather(1, torch.tensor(row["topk_ids"])), atol=1e-4)
     for row in greedy[:6]:  # greedy, run on past EOS and cut after it: the same tokens as the unsplit target's
         prompt = torch.tensor([row["prompt_ids"]])
         with torch.inference_mode():
-            logits = whole.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                    output_logits=True, return_dict_in_generate=True)
-        tokens = logits.sequences[0, prompt.shape[1]:].tolist()
-        assert row["response_ids"] == tokens[:len(row["response_ids"])]
+            logits = whole.generate(
+                prompt,
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        tokens = logits.sequences[0, prompt.shape[1] :].tolist()
+        assert row["response_ids"] == tokens[: len(row["response_ids"])]
         for step, (ids, values) in enumerate(zip(row["topk_ids"], row["topk_logprobs"])):
             expected = logits.logits[step][0].log_softmax(-1).topk(16)
             assert ids[:4] == expected.indices[:4].tolist()
@@ -162,8 +209,9 @@ def test_an_interrupted_teacher_stage_keeps_its_shards_and_the_same_command_resu
     root = tmp_path / "runs"
     # a shard at a time, each a few hundred ms: the signal lands while later shards are still being written
     args = args_for(tiny_chat_target, root, "distill.teacher.batch_size=1", "distill.teacher.max_new_tokens=48", "stop_after=teacher")
-    process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "COLUMNS": "200"})
+    process = subprocess.Popen(
+        args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"}
+    )
     deadline = time.time() + 600
     while time.time() < deadline and process.poll() is None and not list(root.glob("teacher/.tmp-*/shards/*.arrow")):
         time.sleep(0.05)
@@ -187,8 +235,11 @@ def test_a_target_too_large_for_the_device_trains_a_draft_from_the_logit_cache(t
     from draftsmith.pipeline.stage import StageError
     from draftsmith.serve.weights import WeightsError
 
-    overrides = [a for a in args_for(tiny_chat_target, tmp_path / "runs", "distill.max_steps=4", "distill.eval_every=2",
-                                     "device=cpu")[2:] if a != "stop_after=distill"]
+    overrides = [
+        a
+        for a in args_for(tiny_chat_target, tmp_path / "runs", "distill.max_steps=4", "distill.eval_every=2", "device=cpu")[2:]
+        if a != "stop_after=distill"
+    ]
     config = lambda *extra: composed(*overrides, *extra)
     run_pipeline(config("stop_after=teacher"), tmp_path / "runs")
     monkeypatch.setattr("draftsmith.serve.weights.free_bytes", lambda device: 1024)  # a device of 1 KiB from here on

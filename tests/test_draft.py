@@ -1,4 +1,5 @@
 """Draft construction and shared-tokenizer enforcement."""
+
 import json
 import shutil
 
@@ -8,16 +9,21 @@ import torch
 from draftsmith.distill.draft import DraftError, build_draft, build_from_target
 from draftsmith.distill.stage import with_lora
 from draftsmith.distill.tokenizer import TokenizerMismatch, check_same_tokenizer
-from draftsmith.distill.train import DraftObjective, Distiller, collate
+from draftsmith.distill.train import Distiller, DraftObjective, collate
 from draftsmith.pipeline.config import DistillConfig, DistillLoss, DraftConfig, DraftInit, LayerChoice, TeacherConfig
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_tiny_model
 
 
 def draft_config(init, **kw):
-    return DraftConfig(init=DraftInit(init), layers=kw.get("layers", []), num_layers=kw.get("num_layers", 1),
-                       layer_choice=LayerChoice(kw.get("layer_choice", "spread")), pretrained_path=kw.get("pretrained_path"),
-                       lora_rank=kw.get("lora_rank", 0))
+    return DraftConfig(
+        init=DraftInit(init),
+        layers=kw.get("layers", []),
+        num_layers=kw.get("num_layers", 1),
+        layer_choice=LayerChoice(kw.get("layer_choice", "spread")),
+        pretrained_path=kw.get("pretrained_path"),
+        lora_rank=kw.get("lora_rank", 0),
+    )
 
 
 def test_from_target_copies_the_chosen_layers(tiny_chat_target, tmp_path):
@@ -65,15 +71,25 @@ def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_p
     draft_dir = build_draft(draft_config("pretrained", pretrained_path=str(small), lora_rank=4), tiny_chat_target, tmp_path / "d", seed=0)
     draft = with_lora(AutoModelForCausalLM.from_pretrained(draft_dir), 4)
     rows = [{"prompt_ids": [1, 5, 6, 7], "response_ids": [8, 9, 10, 2], "split": "train"}] * 4
-    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=4, temperature=0.0, extra_samples=0, sample_temperature=0.8,
-                                              top_k_logits=0, batch_size=2),
-                        loss=DistillLoss.hard_label, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
-                        max_steps=3, batch_size=2, grad_accum_steps=1, max_grad_norm=1.0, eval_every=3, max_seq_len=32)
+    cfg = DistillConfig(
+        teacher=TeacherConfig(max_new_tokens=4, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=2),
+        loss=DistillLoss.hard_label,
+        temperature=1.0,
+        jsd_beta=0.5,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        max_steps=3,
+        batch_size=2,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=3,
+        max_seq_len=32,
+    )
     distiller = Distiller(cfg, draft, None, DraftObjective(cfg, online=False), rows, rows, tmp_path / "work", seed=0, cpu=True)
     result = distiller.train()
     assert result["final_train_loss"] < 12
     distiller.save_draft(tmp_path / "trained")
-    saved = (tmp_path / "trained" / "model.safetensors")
+    saved = tmp_path / "trained" / "model.safetensors"
     from safetensors import safe_open
 
     with safe_open(str(saved), "pt") as f:
@@ -91,8 +107,8 @@ def test_on_policy_continuations_are_the_drafts_own_samples(tiny_models, lora):
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.stage import with_lora
     from draftsmith.distill.on_policy import DraftSampler
+    from draftsmith.distill.stage import with_lora
 
     _, draft_dir = tiny_models["llama"]
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
@@ -141,25 +157,54 @@ def test_on_policy_training_scores_the_drafts_samples_with_the_target(tiny_model
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
-    rows = [{"prompt_ids": torch.randint(3, 97, (6,), generator=g).tolist(), "response_ids": torch.randint(3, 97, (8,), generator=g).tolist(),
-             "topk_ids": [[0]] * 8, "topk_logprobs": [[0.0]] * 8} for _ in range(24)]  # a cache on-policy rows cannot use
-    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
-                                              top_k_logits=1, batch_size=8),
-                        loss=DistillLoss.forward_kl, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
-                        max_steps=30, batch_size=8, grad_accum_steps=1, max_grad_norm=1.0, eval_every=30, max_seq_len=32,
-                        on_policy_fraction=1.0)
+    rows = [
+        {
+            "prompt_ids": torch.randint(3, 97, (6,), generator=g).tolist(),
+            "response_ids": torch.randint(3, 97, (8,), generator=g).tolist(),
+            "topk_ids": [[0]] * 8,
+            "topk_logprobs": [[0.0]] * 8,
+        }
+        for _ in range(24)
+    ]  # a cache on-policy rows cannot use
+    cfg = DistillConfig(
+        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=1, batch_size=8),
+        loss=DistillLoss.forward_kl,
+        temperature=1.0,
+        jsd_beta=0.5,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        max_steps=30,
+        batch_size=8,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=30,
+        max_seq_len=32,
+        on_policy_fraction=1.0,
+    )
     held_out = [{k: r[k] for k in ("prompt_ids", "response_ids")} for r in rows[:8]]
     losses = []  # each step's loss on fresh samples of the draft, scored by the target
-    distiller = Distiller(cfg, draft, target, DraftObjective(cfg, online=False), rows[8:], held_out, tmp_path / "work", seed=0,
-                          cpu=True, log=lambda step, m: losses.append(m["train_loss"]) if "lr" in m else None)
+    distiller = Distiller(
+        cfg,
+        draft,
+        target,
+        DraftObjective(cfg, online=False),
+        rows[8:],
+        held_out,
+        tmp_path / "work",
+        seed=0,
+        cpu=True,
+        log=lambda step, m: losses.append(m["train_loss"]) if "lr" in m else None,
+    )
     on_policy = distiller._on_policy(distiller._micro_batches(0)[0], step=0, micro=0)
     assert all("topk_ids" not in r for r in on_policy) and collate(on_policy, 32, torch.device("cpu")).topk_ids is None
     distiller.train()
     assert sum(losses[-5:]) < 0.85 * sum(losses[:5]), losses
 
 
-@pytest.mark.parametrize("loss, cached", [("tvd", False), ("forward_kl", False), ("reverse_kl", False), ("jsd", False),
-                                          ("hard_label", False), ("tvd", True), ("jsd", True)])
+@pytest.mark.parametrize(
+    "loss, cached",
+    [("tvd", False), ("forward_kl", False), ("reverse_kl", False), ("jsd", False), ("hard_label", False), ("tvd", True), ("jsd", True)],
+)
 def test_the_chunked_loss_equals_the_whole_one_and_so_do_its_gradients(tiny_models, loss, cached):
     """distill.loss_chunk_size: the loss built a few tokens at a time (never the [tokens, vocab] logits
     whole) gives the loss and every parameter's gradient of the loss built at once, LM head included,
@@ -173,18 +218,32 @@ def test_the_chunked_loss_equals_the_whole_one_and_so_do_its_gradients(tiny_mode
     g = torch.Generator().manual_seed(1)
     rows = []
     for n_prompt, n_response in [(5, 7), (9, 3), (4, 11)]:
-        row = {"prompt_ids": torch.randint(3, 97, (n_prompt,), generator=g).tolist(),
-               "response_ids": torch.randint(3, 97, (n_response,), generator=g).tolist()}
+        row = {
+            "prompt_ids": torch.randint(3, 97, (n_prompt,), generator=g).tolist(),
+            "response_ids": torch.randint(3, 97, (n_response,), generator=g).tolist(),
+        }
         if cached:
             logprobs = torch.log_softmax(torch.randn(n_response, 4, generator=g), -1) - 0.3  # 4 tokens, a tail
             row.update(topk_ids=torch.randint(3, 97, (n_response, 4), generator=g).tolist(), topk_logprobs=logprobs.tolist())
         rows.append(row)
     batch = collate(rows, 64, torch.device("cpu"))
-    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
-                                              top_k_logits=4 if cached else 0, batch_size=8),
-                        loss=DistillLoss(loss), temperature=1.7, jsd_beta=0.3, learning_rate=1e-2, warmup_steps=0,
-                        max_steps=1, batch_size=8, grad_accum_steps=1, max_grad_norm=1.0, eval_every=1, max_seq_len=64,
-                        loss_chunk_size=4)
+    cfg = DistillConfig(
+        teacher=TeacherConfig(
+            max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=4 if cached else 0, batch_size=8
+        ),
+        loss=DistillLoss(loss),
+        temperature=1.7,
+        jsd_beta=0.3,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        max_steps=1,
+        batch_size=8,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=1,
+        max_seq_len=64,
+        loss_chunk_size=4,
+    )
     results = []
     for chunk in (4, 0):
         draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
@@ -216,12 +275,24 @@ def test_packed_rows_train_exactly_as_padded_rows(tiny_models):
     target_dir, draft_dir = tiny_models["llama"]
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(2)
-    rows = [{"prompt_ids": torch.randint(3, 97, (p,), generator=g).tolist(), "response_ids": torch.randint(3, 97, (r,), generator=g).tolist()}
-            for p, r in [(5, 7), (9, 3), (4, 11), (3, 2), (6, 9), (2, 4)]]
-    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
-                                              top_k_logits=0, batch_size=8),
-                        loss=DistillLoss.tvd, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
-                        max_steps=1, batch_size=8, grad_accum_steps=1, max_grad_norm=1.0, eval_every=1, max_seq_len=24)
+    rows = [
+        {"prompt_ids": torch.randint(3, 97, (p,), generator=g).tolist(), "response_ids": torch.randint(3, 97, (r,), generator=g).tolist()}
+        for p, r in [(5, 7), (9, 3), (4, 11), (3, 2), (6, 9), (2, 4)]
+    ]
+    cfg = DistillConfig(
+        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8),
+        loss=DistillLoss.tvd,
+        temperature=1.0,
+        jsd_beta=0.5,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        max_steps=1,
+        batch_size=8,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=1,
+        max_seq_len=24,
+    )
     results = []
     for pack in (True, False):
         batch = collate(rows, 24, torch.device("cpu"), pack=pack)
@@ -246,20 +317,43 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
     target_dir, draft_dir = tiny_models["llama"]
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(3)
-    rows = [{"prompt_ids": torch.randint(3, 97, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
-             "response_ids": torch.randint(3, 97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()}
-            for _ in range(24)]
+    rows = [
+        {
+            "prompt_ids": torch.randint(3, 97, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
+            "response_ids": torch.randint(3, 97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist(),
+        }
+        for _ in range(24)
+    ]
     runs = []
     for compiled in (False, True):
-        cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
-                                                  top_k_logits=0, batch_size=8),
-                            loss=DistillLoss.tvd, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
-                            max_steps=3, batch_size=8, grad_accum_steps=1, max_grad_norm=1.0, eval_every=3, max_seq_len=24,
-                            compile=compiled)
+        cfg = DistillConfig(
+            teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8),
+            loss=DistillLoss.tvd,
+            temperature=1.0,
+            jsd_beta=0.5,
+            learning_rate=1e-2,
+            warmup_steps=0,
+            max_steps=3,
+            batch_size=8,
+            grad_accum_steps=1,
+            max_grad_norm=1.0,
+            eval_every=3,
+            max_seq_len=24,
+            compile=compiled,
+        )
         seen = []
-        distiller = Distiller(cfg, AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), target,
-                              DraftObjective(cfg, online=True), rows, rows[:4], tmp_path / str(compiled), seed=0, cpu=True,
-                              log=lambda step, m: seen.append(m["train_loss"]) if "lr" in m else None)
+        distiller = Distiller(
+            cfg,
+            AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32),
+            target,
+            DraftObjective(cfg, online=True),
+            rows,
+            rows[:4],
+            tmp_path / str(compiled),
+            seed=0,
+            cpu=True,
+            log=lambda step, m: seen.append(m["train_loss"]) if "lr" in m else None,
+        )
         for model in (distiller.accelerator.unwrap_model(distiller.draft), target):
             assert all((layer._compiled_call_impl is not None) == compiled for layer in model.model.layers)
         distiller.train()
@@ -291,12 +385,27 @@ def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(t
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(4)
-    rows = [{"prompt_ids": torch.randint(3, 97, (5 + i % 3,), generator=g).tolist(),
-             "response_ids": torch.randint(3, 97, (4 + i % 5,), generator=g).tolist()} for i in range(7)]
-    cfg = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
-                                              top_k_logits=0, batch_size=8),
-                        loss=DistillLoss.jsd, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
-                        max_steps=1, batch_size=3, grad_accum_steps=1, max_grad_norm=1.0, eval_every=1, max_seq_len=32)
+    rows = [
+        {
+            "prompt_ids": torch.randint(3, 97, (5 + i % 3,), generator=g).tolist(),
+            "response_ids": torch.randint(3, 97, (4 + i % 5,), generator=g).tolist(),
+        }
+        for i in range(7)
+    ]
+    cfg = DistillConfig(
+        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8),
+        loss=DistillLoss.jsd,
+        temperature=1.0,
+        jsd_beta=0.5,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        max_steps=1,
+        batch_size=3,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=1,
+        max_seq_len=32,
+    )
     layer_calls = []
     target.model.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
     objective = DraftObjective(cfg, online=True)
@@ -336,24 +445,50 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
     layer_calls = []
     target.model.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
     g = torch.Generator().manual_seed(5)
-    rows = [{"prompt_ids": torch.randint(3, 97, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
-             "response_ids": torch.randint(3, 97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()}
-            for _ in range(12)]
-    base = DistillConfig(teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8,
-                                               top_k_logits=0, batch_size=8),
-                         loss=DistillLoss.forward_kl, temperature=1.0, jsd_beta=0.5, learning_rate=1e-2, warmup_steps=0,
-                         max_steps=6, batch_size=4, grad_accum_steps=1, max_grad_norm=1.0, eval_every=6, max_seq_len=24)
+    rows = [
+        {
+            "prompt_ids": torch.randint(3, 97, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
+            "response_ids": torch.randint(3, 97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist(),
+        }
+        for _ in range(12)
+    ]
+    base = DistillConfig(
+        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8),
+        loss=DistillLoss.forward_kl,
+        temperature=1.0,
+        jsd_beta=0.5,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        max_steps=6,
+        batch_size=4,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=6,
+        max_seq_len=24,
+    )
     runs = {}
     for gib in (0.0, 1.0):
         cfg = replace(base, target_states_gib=gib)
         layer_calls.clear()
         losses_seen = []
-        distiller = Distiller(cfg, AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), target,
-                              DraftObjective(cfg, online=True), rows, [], tmp_path / str(gib), seed=0, cpu=True,
-                              log=lambda step, m: losses_seen.append(m["train_loss"]) if "lr" in m else None)
+        distiller = Distiller(
+            cfg,
+            AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32),
+            target,
+            DraftObjective(cfg, online=True),
+            rows,
+            [],
+            tmp_path / str(gib),
+            seed=0,
+            cpu=True,
+            log=lambda step, m: losses_seen.append(m["train_loss"]) if "lr" in m else None,
+        )
         distiller.train()
-        runs[gib] = (len(layer_calls), losses_seen,
-                     {n: p.detach().clone() for n, p in distiller.accelerator.unwrap_model(distiller.draft).named_parameters()})
+        runs[gib] = (
+            len(layer_calls),
+            losses_seen,
+            {n: p.detach().clone() for n, p in distiller.accelerator.unwrap_model(distiller.draft).named_parameters()},
+        )
     assert runs[0.0][0] == 6  # 6 steps of 4 of the 12 rows: 2 epochs
     assert runs[1.0][0] == 3  # the first epoch only
     torch.testing.assert_close(runs[1.0][1], runs[0.0][1], rtol=1e-5, atol=1e-6)

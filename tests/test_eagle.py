@@ -2,6 +2,7 @@
 loss, raises acceptance and resumes where it stopped; decoding with a head (or with a draft model on a
 vocabulary subset) is lossless: greedy output equals the target's token for token, and sampled output
 follows the target's distribution (chi-square, bonus token observed)."""
+
 import random
 
 import numpy as np
@@ -22,11 +23,20 @@ from tests.test_speculative import random_prompts
 
 
 def distill_config(max_steps: int = 150, eval_every: int = 50) -> DistillConfig:
-    return DistillConfig(teacher=TeacherConfig(max_new_tokens=24, temperature=0.0, extra_samples=0, sample_temperature=0.8,
-                                               top_k_logits=0, batch_size=16),
-                         loss=DistillLoss.forward_kl, temperature=1.0, jsd_beta=0.5, learning_rate=3e-3, warmup_steps=5,
-                         max_steps=max_steps, batch_size=16, grad_accum_steps=1, max_grad_norm=1.0, eval_every=eval_every,
-                         max_seq_len=64)
+    return DistillConfig(
+        teacher=TeacherConfig(max_new_tokens=24, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=16),
+        loss=DistillLoss.forward_kl,
+        temperature=1.0,
+        jsd_beta=0.5,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        max_steps=max_steps,
+        batch_size=16,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=eval_every,
+        max_seq_len=64,
+    )
 
 
 def greedy_rows(target_dir, n: int = 256, new_tokens: int = 24) -> list[dict]:
@@ -36,9 +46,11 @@ def greedy_rows(target_dir, n: int = 256, new_tokens: int = 24) -> list[dict]:
     prompts = [[rng.randrange(97) for _ in range(rng.randint(2, 8))] for _ in range(n)]
     rows = []
     for i in range(0, n, 64):
-        got = engine.generate(prompts[i:i + 64], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-        rows += [{"id": str(j), "prompt_ids": c.prompt_tokens, "response_ids": c.tokens, "split": "eval" if j % 8 == 0 else "train"}
-                 for j, c in enumerate(got.completions, i)]
+        got = engine.generate(prompts[i : i + 64], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        rows += [
+            {"id": str(j), "prompt_ids": c.prompt_tokens, "response_ids": c.tokens, "split": "eval" if j % 8 == 0 else "train"}
+            for j, c in enumerate(got.completions, i)
+        ]
     return rows
 
 
@@ -83,7 +95,7 @@ def test_the_unrolled_head_is_what_inference_runs(tiny_models, tmp_path):
         hidden = proposer.prefill(sequence[:, :L], torch.arange(L)[None], torch.tensor([L]), sequence[:, L], prompt_features, None)
         assert torch.allclose(hidden, steps[0][:, L - 1], atol=1e-12)
         for j in range(1, 4):  # the next drafts, as if each earlier one had been the data's token
-            hidden = head(target.tok_embeddings(sequence[:, L + j:L + j + 1]), hidden.unsqueeze(1), torch.tensor([[L - 1 + j]]))[:, 0]
+            hidden = head(target.tok_embeddings(sequence[:, L + j : L + j + 1]), hidden.unsqueeze(1), torch.tensor([[L - 1 + j]]))[:, 0]
             assert torch.allclose(hidden, steps[j][:, L - 1], atol=1e-12), (L, j)
 
 
@@ -105,8 +117,8 @@ def test_greedy_with_a_head_equals_target_greedy(trained):
     accepted = 0
     for k in range(1, 9):
         for i in range(0, len(prompts), 4):
-            got = four.generate(prompts[i:i + 4], params, num_speculative_tokens=k)
-            assert [c.tokens for c in got.completions] == expected[i:i + 4], f"K={k}, prompts {i}..{i + 3}"
+            got = four.generate(prompts[i : i + 4], params, num_speculative_tokens=k)
+            assert [c.tokens for c in got.completions] == expected[i : i + 4], f"K={k}, prompts {i}..{i + 3}"
             accepted += got.stats.num_accepted_tokens
         for i in range(0, len(prompts), 6):
             assert one.generate([prompts[i]], params, num_speculative_tokens=k).completions[0].tokens == expected[i], f"K={k}, batch 1"
@@ -159,8 +171,9 @@ def test_a_draft_model_on_a_vocabulary_subset_stays_lossless(small_vocab_models,
     target_dir, draft_dir = small_vocab_models
     subset = torch.tensor([0, 2, 3, 5, 6, 9, 11])
     joint = exact_joint(target_dir, 1.0, 1.0)
-    tokens, stats = speculative_samples(target_dir, draft_dir, SamplingParams(temperature=1.0, seed=77, max_new_tokens=3),
-                                        vocab=subset, k=1)
+    tokens, stats = speculative_samples(
+        target_dir, draft_dir, SamplingParams(temperature=1.0, seed=77, max_new_tokens=3), vocab=subset, k=1
+    )
     assert 0.05 < stats.acceptance_rate < 0.95
     assert chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0)) > 1e-3
     # greedy: a token outside the subset is never proposed, and the output is the target's
@@ -170,9 +183,9 @@ def test_a_draft_model_on_a_vocabulary_subset_stays_lossless(small_vocab_models,
     engine = Engine(target, draft, max_batch_size=4, max_seq_len=64)
     prompts = random_prompts(8, 97, seed=8)
     params = SamplingParams(max_new_tokens=16)
-    expected = [c.tokens for i in (0, 4) for c in engine.generate(prompts[i:i + 4], params).completions]
+    expected = [c.tokens for i in (0, 4) for c in engine.generate(prompts[i : i + 4], params).completions]
     for k in (1, 3):
-        assert [c.tokens for i in (0, 4) for c in engine.generate(prompts[i:i + 4], params, k).completions] == expected
+        assert [c.tokens for i in (0, 4) for c in engine.generate(prompts[i : i + 4], params, k).completions] == expected
 
 
 def test_a_head_made_for_another_target_is_refused(tiny_models, tmp_path):

@@ -1,20 +1,19 @@
 """Evaluation: counters against hand-computed cases, the cost model and K choice on synthetic numbers,
 and, end to end on a tiny chat target, a reproducible eval.json and gates that fail the job."""
+
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from draftsmith.evaluate.stage import gates
 from draftsmith.evaluate.cost import choose_k, predicted_speedup
-from draftsmith.serve.stats import expected_tokens
-from draftsmith.serve.stats import SpecStats
+from draftsmith.evaluate.stage import gates
+from draftsmith.serve.stats import SpecStats, expected_tokens
 
 DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
 
@@ -64,8 +63,11 @@ def test_replay_counts_steps_as_the_engine_does():
 
 def report(shipped: str, k: int, **rates_taus) -> dict:
     """proposer=((acceptance rate, tau) at K = 1, (acceptance rate, tau) at the chosen K)."""
-    rows = [{"proposer": name, "temperature": 0.0, "k": kk, "acceptance_rate": rate, "tau": tau}
-            for name, by_k in rates_taus.items() for kk, (rate, tau) in zip((1, k), by_k)]
+    rows = [
+        {"proposer": name, "temperature": 0.0, "k": kk, "acceptance_rate": rate, "tau": tau}
+        for name, by_k in rates_taus.items()
+        for kk, (rate, tau) in zip((1, k), by_k)
+    ]
     return {"shipped": shipped, "num_speculative_tokens": k, "acceptance": rows}
 
 
@@ -94,8 +96,9 @@ def test_the_alpha_gate_reads_k1_so_a_longer_k_that_pays_is_not_refused():
 def test_the_bundles_alert_fires_below_the_rate_of_its_gate_at_its_k():
     import yaml
 
-    from draftsmith.serve.stats import expected_acceptance_rate as acceptance_rate, expected_tokens
     from draftsmith.pipeline.publish import alert_rules
+    from draftsmith.serve.stats import expected_acceptance_rate as acceptance_rate
+    from draftsmith.serve.stats import expected_tokens
 
     assert acceptance_rate(0.55, 1) == pytest.approx(0.55) and acceptance_rate(0.0, 5) == 0.0
     assert acceptance_rate(0.8, 4) == pytest.approx((expected_tokens(0.8, 4) - 1) / 4)
@@ -106,8 +109,9 @@ def test_the_bundles_alert_fires_below_the_rate_of_its_gate_at_its_k():
 
 
 def run(*args, cwd):
-    return subprocess.run([DRAFTSMITH, "run", *args], cwd=cwd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run(
+        [DRAFTSMITH, "run", *args], cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"}
+    )
 
 
 def only_output(root: Path, stage: str) -> Path:
@@ -119,12 +123,28 @@ def only_output(root: Path, stage: str) -> Path:
 @pytest.fixture(scope="module")
 def evaluated(tiny_chat_target, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
-    args = ("experiment=t", "target=hf", f"target.name_or_path={tiny_chat_target}", f"paths.root={tmp / 'runs'}",
-            "tracking.enabled=false", "data.max_prompts=24", "data.eval_fraction=0.25", "distill.teacher.max_new_tokens=8",
-            "distill.max_steps=4", "distill.eval_every=4", "draft.num_layers=1", "distill.batch_size=4",
-            "quantize.num_calibration_samples=8", "evaluate.max_new_tokens=10", "evaluate.batch_size=3",
-            "evaluate.min_alpha=0.0", "evaluate.max_tau_loss=1.0", "evaluate.max_speculative_tokens=5",
-            "target.dtype=float32", "evaluate.speed_repeats=3")  # float32: exact on a CPU (in bf16 a K+1-token and a 1-token forward round differently)
+    args = (
+        "experiment=t",
+        "target=hf",
+        f"target.name_or_path={tiny_chat_target}",
+        f"paths.root={tmp / 'runs'}",
+        "tracking.enabled=false",
+        "data.max_prompts=24",
+        "data.eval_fraction=0.25",
+        "distill.teacher.max_new_tokens=8",
+        "distill.max_steps=4",
+        "distill.eval_every=4",
+        "draft.num_layers=1",
+        "distill.batch_size=4",
+        "quantize.num_calibration_samples=8",
+        "evaluate.max_new_tokens=10",
+        "evaluate.batch_size=3",
+        "evaluate.min_alpha=0.0",
+        "evaluate.max_tau_loss=1.0",
+        "evaluate.max_speculative_tokens=5",
+        "target.dtype=float32",
+        "evaluate.speed_repeats=3",
+    )  # float32: exact on a CPU (in bf16 a K+1-token and a 1-token forward round differently)
     done = run(*args, cwd=tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tmp, args, done
@@ -208,6 +228,7 @@ def test_a_failed_gate_fails_the_job_and_an_override_lets_it_through(evaluated):
 
 # -- one teacher-forced pass against the engine ---------------------------------------------------------
 
+
 def one_pass_and_engine(target_dir, draft, prompts, params, k_max=8, eos=frozenset()):
     """The computed rows for K = 1..k_max, and a function running the engine at K."""
     import torch
@@ -251,8 +272,11 @@ def test_computed_acceptance_is_the_engines_at_t0(tiny_models, small_head, kind)
 
     family = "smollm2" if kind == "eagle3" else "qwen2"
     target_dir, draft_dir = tiny_models[family]
-    draft = {"draft model": lambda: load_model(draft_dir, torch.float64), "eagle3": lambda: load_head(small_head, torch.float64),
-             "prompt lookup": lambda: None}[kind]()
+    draft = {
+        "draft model": lambda: load_model(draft_dir, torch.float64),
+        "eagle3": lambda: load_head(small_head, torch.float64),
+        "prompt lookup": lambda: None,
+    }[kind]()
     prompts = [[i % 5 + j for i in range(10)] for j in range(16)] if kind == "prompt lookup" else random_prompts(24, 97, seed=9)
     rows, engine_at = one_pass_and_engine(target_dir, draft, prompts, SamplingParams(max_new_tokens=14), eos=frozenset({7}))
     for row in rows:
@@ -302,8 +326,13 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
     target_dir, draft_dir = tiny_models["llama"]
     prompts = random_prompts(3, 97, seed=4)
     rows = run_bench(target_dir, [draft_dir], prompts, new_tokens=12, ks=(1, 3), device="cpu", dtype="float64", repeats=2, batch=2)
-    assert [r.method for r in rows] == ["plain, eager", "draft K=1, eager", "draft K=3, eager", "plain, batch 2",
-                                        "draft adaptive K<=3, batch 2"]
+    assert [r.method for r in rows] == [
+        "plain, eager",
+        "draft K=1, eager",
+        "draft K=3, eager",
+        "plain, batch 2",
+        "draft adaptive K<=3, batch 2",
+    ]
     assert all(len(r.runs_tokens_per_s) == 2 and r.tokens_per_s > 0 for r in rows)  # every row: the same repeats
     plain, k1, k3, plain_batch, adaptive = rows
     assert plain.tokens == k1.tokens == k3.tokens == 3 * 12 and plain_batch.tokens == adaptive.tokens == 8 * 12
@@ -315,14 +344,21 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
 def test_an_eval_json_of_the_earlier_format_reads_in_this_formats_names(tmp_path):
     from draftsmith.evaluate.report import read_report
 
-    old = {"format_version": 2, "shipped": "w4a16", "num_speculative_tokens": 2,
-           "acceptance": [{"proposer": "w4a16", "temperature": 0.0, "k": k, "alpha": rate, "tau": 1 + rate * k}
-                          for k, rate in ((1, 0.6), (2, 0.5))],
-           "engine": [{"proposer": "plain", "k": 0, "alpha": 0.0}, {"proposer": "w4a16", "k": 2, "alpha": 0.5}]}
+    old = {
+        "format_version": 2,
+        "shipped": "w4a16",
+        "num_speculative_tokens": 2,
+        "acceptance": [
+            {"proposer": "w4a16", "temperature": 0.0, "k": k, "alpha": rate, "tau": 1 + rate * k} for k, rate in ((1, 0.6), (2, 0.5))
+        ],
+        "engine": [{"proposer": "plain", "k": 0, "alpha": 0.0}, {"proposer": "w4a16", "k": 2, "alpha": 0.5}],
+    }
     (tmp_path / "eval.json").write_text(json.dumps(old))
     report = read_report(tmp_path / "eval.json")
     assert [r["acceptance_rate"] for r in report["acceptance"]] == [0.6, 0.5] and "alpha" not in report["acceptance"][0]
     assert report["engine"][1]["acceptance_rate"] == 0.5
-    result = gates(SimpleNamespace(min_alpha=0.55, max_tau_loss=0.03), {**report, "shipped": "eagle3",
-                   "acceptance": [{**r, "proposer": "eagle3"} for r in report["acceptance"]]})
+    result = gates(
+        SimpleNamespace(min_alpha=0.55, max_tau_loss=0.03),
+        {**report, "shipped": "eagle3", "acceptance": [{**r, "proposer": "eagle3"} for r in report["acceptance"]]},
+    )
     assert result["min_alpha"]["value"] == 0.6 and result["passed"]

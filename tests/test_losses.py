@@ -1,4 +1,5 @@
 """Distillation losses against direct computations, and the top-k cache's tail handling."""
+
 import math
 
 import numpy as np
@@ -58,8 +59,8 @@ def test_top_k_cache_with_tail_equals_bucketed_full_distributions():
         assert logp[row].exp().tolist() == pytest.approx(p, rel=1e-5)
         assert logq[row].exp().tolist() == pytest.approx(q, rel=1e-5)
         # bucketing only merges outcomes, so the bucketed TVD never exceeds the full one
-        full_tvd = losses.tvd(*losses.full(student_logits[row:row + 1], target_logits[row:row + 1], 1.0)).item()
-        assert losses.tvd(logp[row:row + 1], logq[row:row + 1]).item() <= full_tvd + 1e-7
+        full_tvd = losses.tvd(*losses.full(student_logits[row : row + 1], target_logits[row : row + 1], 1.0)).item()
+        assert losses.tvd(logp[row : row + 1], logq[row : row + 1]).item() <= full_tvd + 1e-7
 
 
 def test_hard_label_is_cross_entropy_on_teacher_tokens():

@@ -1,8 +1,9 @@
 """The runtime's model code against transformers on the same weights."""
+
 import pytest
 import torch
 
-from draftsmith.serve.model import UnsupportedModelError, ModelArgs
+from draftsmith.serve.model import ModelArgs, UnsupportedModelError
 from draftsmith.serve.weights import WeightsError, load_model
 from tests.conftest import FAMILIES
 
@@ -22,7 +23,7 @@ def test_logits_match_transformers(tiny_models, family, dtype, tol):
         prefill = ours(tokens, torch.arange(40).expand(2, 40)).float()
         # the same sequence fed one token at a time through the KV cache gives the same logits
         ours.setup_cache(max_batch_size=2, max_seq_len=128)
-        stepwise = torch.cat([ours(tokens[:, i:i + 1], torch.full((2, 1), i)) for i in range(40)], dim=1).float()
+        stepwise = torch.cat([ours(tokens[:, i : i + 1], torch.full((2, 1), i)) for i in range(40)], dim=1).float()
     assert (prefill - expected).abs().max().item() < tol
     assert (stepwise - expected).abs().max().item() < tol
 

@@ -1,4 +1,5 @@
 """The distribution installs every folder as draftsmith.<folder>, and nothing as a bare top-level name."""
+
 import subprocess
 import sys
 import zipfile
@@ -8,8 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_file_list_is_namespaced(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
     wheel = next(tmp_path.glob("draftsmith-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     packages = {n.split("/")[1] for n in names if n.startswith("draftsmith/")}

@@ -3,6 +3,7 @@ greedy output with the same penalties, for a draft model, an EAGLE-3 head and pr
 penalised and plain rows, through the engine and the continuous-batching scheduler; sampled speculative output
 follows the penalised target distribution (chi-square against a distribution computed from the definitions,
 with a control that the test tells penalties from none)."""
+
 import numpy as np
 import pytest
 import torch
@@ -16,9 +17,12 @@ from tests.conftest import save_tiny_head
 from tests.test_sampling import PROMPT, SAMPLES, VOCAB, chi_square_p, small_vocab_models  # noqa: F401
 from tests.test_speculative import random_prompts
 
-PENALTIES = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5),
-             dict(presence_penalty=-1.0, logit_bias=((5, 4.0), (9, -3.0))),
-             dict(repetition_penalty=0.8, frequency_penalty=-0.5, logit_bias=((1, 2.0),))]
+PENALTIES = [
+    dict(repetition_penalty=1.3),
+    dict(frequency_penalty=0.8, presence_penalty=0.5),
+    dict(presence_penalty=-1.0, logit_bias=((5, 4.0), (9, -3.0))),
+    dict(repetition_penalty=0.8, frequency_penalty=-0.5, logit_bias=((1, 2.0),)),
+]
 
 
 def greedy_runs(engine: Engine, prompts, params, k: int, proposer=None) -> list[list[int]]:
@@ -31,8 +35,9 @@ def test_greedy_speculative_equals_plain_greedy_with_the_same_penalties(tiny_mod
     target = load_model(target_dir, torch.float64)
     head = load_model_head(target_dir, tmp_path)
     prompts = random_prompts(24, 97, seed=3)
-    penalised = [SamplingParams(max_new_tokens=16, **settings) if i % 3 else SamplingParams(max_new_tokens=16)
-                 for i in range(len(prompts))]  # a third of the rows without penalties: mixed batches
+    penalised = [
+        SamplingParams(max_new_tokens=16, **settings) if i % 3 else SamplingParams(max_new_tokens=16) for i in range(len(prompts))
+    ]  # a third of the rows without penalties: mixed batches
     plain = Engine(target, None, max_batch_size=24, max_seq_len=64)
     expected = greedy_runs(plain, prompts, penalised, 0)
     unpenalised = greedy_runs(plain, prompts, SamplingParams(max_new_tokens=16), 0)
@@ -55,8 +60,10 @@ def test_the_scheduler_keeps_each_rows_penalties_as_requests_come_and_go(tiny_mo
     target_dir, draft_dir = tiny_models["llama"]
     target, draft = load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64)
     prompts = random_prompts(12, 97, seed=8)
-    params = [SamplingParams(max_new_tokens=8 + i, **PENALTIES[i % 4]) if i % 2 else SamplingParams(max_new_tokens=8 + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=8 + i, **PENALTIES[i % 4]) if i % 2 else SamplingParams(max_new_tokens=8 + i)
+        for i in range(len(prompts))
+    ]
     expected = greedy_runs(Engine(target, None, max_batch_size=12, max_seq_len=64), prompts, params, 0)
     scheduler = Scheduler(Engine(target, draft, max_batch_size=4, max_seq_len=64), 3, adaptive=False)
     done = {}
@@ -75,8 +82,12 @@ def test_a_large_logit_bias_forces_its_token(tiny_models):
 
 
 def test_penalties_out_of_range_and_bias_outside_the_vocabulary_are_refused(tiny_models):
-    for bad, name in ((dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
-                      (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logit_bias=((3, 150.0),)), "logit_bias")):
+    for bad, name in (
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(logit_bias=((3, 150.0),)), "logit_bias"),
+    ):
         with pytest.raises(SamplingError, match=name):
             SamplingParams(**bad)
     engine = Engine(load_model(tiny_models["llama"][0], torch.float64), None, max_batch_size=1, max_seq_len=40)

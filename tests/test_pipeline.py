@@ -1,7 +1,8 @@
 """`draftsmith run` end to end on a tiny local target: stages, caching, MLflow parent and child runs."""
+
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,15 @@ DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
 
 
 # the smallest pipeline: 8 prompts, 4-token answers, 2 training steps
-SMALL = ("stop_after=distill", "data.max_prompts=8", "distill.teacher.max_new_tokens=4", "distill.max_steps=2", "distill.eval_every=2",
-         "draft.num_layers=1", "distill.batch_size=2")
+SMALL = (
+    "stop_after=distill",
+    "data.max_prompts=8",
+    "distill.teacher.max_new_tokens=4",
+    "distill.max_steps=2",
+    "distill.eval_every=2",
+    "draft.num_layers=1",
+    "distill.batch_size=2",
+)
 
 
 def draftsmith_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -39,8 +47,17 @@ def test_multirun_is_one_parent_with_a_child_per_job(tiny_chat_target, tmp_path,
     Either way one job builds what the other reuses, and one MLflow parent groups them."""
     root = tmp_path / "runs"
     chosen = [] if launcher == "basic" else [f"hydra/launcher={launcher}"]
-    done = draftsmith_run("-m", *chosen, "experiment=t", "target=hf", f"target.name_or_path={tiny_chat_target}",
-                          f"paths.root={root}", "distill.learning_rate=1e-3,2e-3", *SMALL, cwd=tmp_path)
+    done = draftsmith_run(
+        "-m",
+        *chosen,
+        "experiment=t",
+        "target=hf",
+        f"target.name_or_path={tiny_chat_target}",
+        f"paths.root={root}",
+        "distill.learning_rate=1e-3,2e-3",
+        *SMALL,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     runs = mlflow_runs(root)
     parents = [r for r in runs if r.data.tags.get("draftsmith.kind") == "sweep"]
@@ -63,7 +80,7 @@ def test_multirun_is_one_parent_with_a_child_per_job(tiny_chat_target, tmp_path,
     results = [json.loads(p.read_text()) for p in sorted((root / "hydra" / "multirun").glob("*/*/result.json"))]
     assert [r["status"] for r in results] == ["ok", "ok"]
     assert all(r["stages"]["distill"]["tvd_final"] > 0 for r in results)
-    table = done.stdout[done.stdout.index("draftsmith sweep: 2 jobs"):]
+    table = done.stdout[done.stdout.index("draftsmith sweep: 2 jobs") :]
     assert "distill.learning_rate=0.001" in table and "distill.learning_rate=0.002" in table and "held-out TVD" in table
 
 
@@ -128,13 +145,21 @@ def test_demo_target_converts_to_a_safetensors_llama(demo_target_dir):
 def test_a_failed_job_does_not_stop_the_sweep(tiny_chat_target, tmp_path):
     """The first job's target does not exist; the second job still runs, and the table shows both."""
     root = tmp_path / "runs"
-    done = draftsmith_run("-m", "experiment=t", "target=hf", f"target.name_or_path={tmp_path / 'missing'},{tiny_chat_target}",
-                          f"paths.root={root}", "stop_after=target", "tracking.enabled=false", cwd=tmp_path)
+    done = draftsmith_run(
+        "-m",
+        "experiment=t",
+        "target=hf",
+        f"target.name_or_path={tmp_path / 'missing'},{tiny_chat_target}",
+        f"paths.root={root}",
+        "stop_after=target",
+        "tracking.enabled=false",
+        cwd=tmp_path,
+    )
     assert done.returncode == 1  # the sweep as a whole failed
     results = [json.loads(p.read_text()) for p in sorted((root / "hydra" / "multirun").glob("*/*/result.json"))]
     assert [r["status"] for r in results] == ["failed", "ok"] and "missing" in results[0]["error"]
     assert results[1]["stages"]["target"]["vocab_size"] == 49152
-    table = done.stdout[done.stdout.index("draftsmith sweep: 2 jobs"):]
+    table = done.stdout[done.stdout.index("draftsmith sweep: 2 jobs") :]
     assert table.index(str(tiny_chat_target)[-20:]) < table.index("│ failed")  # the job that ran comes first
 
 
@@ -147,8 +172,10 @@ def test_the_sweep_table_ranks_jobs_by_measured_speed_and_failed_jobs_last(tmp_p
 
     def job(num, overrides, error=None, **evaluate):
         (tmp_path / str(num)).mkdir()
-        outputs = [SimpleNamespace(name="distill", metrics={"tvd_final": 0.5, "history": [1, 2]}, path=tmp_path),
-                   SimpleNamespace(name="evaluate", metrics=evaluate, path=tmp_path)][:1 + bool(evaluate)]
+        outputs = [
+            SimpleNamespace(name="distill", metrics={"tvd_final": 0.5, "history": [1, 2]}, path=tmp_path),
+            SimpleNamespace(name="evaluate", metrics=evaluate, path=tmp_path),
+        ][: 1 + bool(evaluate)]
         write_result(tmp_path / str(num), ["preset=gpu", *overrides], outputs, error)
 
     job(0, ["draft.num_layers=2"], alpha=0.55, measured_speedup=1.10)

@@ -1,8 +1,9 @@
 """The bundle end to end on a tiny chat target: published, verified, registered and promoted; verify
 catching tampering; a crash mid-publish leaving nothing; promotion rules; a sweep picking its best."""
+
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,18 +18,32 @@ DRAFTSMITH = str(Path(sys.executable).parent / "draftsmith")
 
 
 def draftsmith(*args, cwd):
-    return subprocess.run([DRAFTSMITH, *args], cwd=cwd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "COLUMNS": "220"})
+    return subprocess.run([DRAFTSMITH, *args], cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "220"})
 
 
 def pipeline_args(target: Path, root: Path) -> list[str]:
-    return ["run", "experiment=t", "target=hf", f"target.name_or_path={target}", f"paths.root={root}",
-            "data.max_prompts=24", "data.eval_fraction=0.25", "distill.teacher.max_new_tokens=8", "distill.max_steps=4",
-            "distill.eval_every=4", "draft.num_layers=1", "distill.batch_size=4", "quantize.num_calibration_samples=8",
-            "evaluate.max_new_tokens=10", "evaluate.batch_size=3", "evaluate.min_alpha=0.0", "evaluate.max_tau_loss=1.0",
-            "evaluate.max_speculative_tokens=3",
-            # a tiny random target's draft never pays on a CPU: the promotion rules are tested apart from speed
-            "evaluate.min_speedup=0.0"]
+    return [
+        "run",
+        "experiment=t",
+        "target=hf",
+        f"target.name_or_path={target}",
+        f"paths.root={root}",
+        "data.max_prompts=24",
+        "data.eval_fraction=0.25",
+        "distill.teacher.max_new_tokens=8",
+        "distill.max_steps=4",
+        "distill.eval_every=4",
+        "draft.num_layers=1",
+        "distill.batch_size=4",
+        "quantize.num_calibration_samples=8",
+        "evaluate.max_new_tokens=10",
+        "evaluate.batch_size=3",
+        "evaluate.min_alpha=0.0",
+        "evaluate.max_tau_loss=1.0",
+        "evaluate.max_speculative_tokens=3",
+        # a tiny random target's draft never pays on a CPU: the promotion rules are tested apart from speed
+        "evaluate.min_speedup=0.0",
+    ]
 
 
 def registry_rows(root: Path) -> list[dict]:
@@ -135,8 +150,7 @@ def test_a_crash_mid_publish_leaves_no_bundle_and_no_registry_entry(tiny_chat_ta
 
 
 def test_promotion_needs_passed_gates_a_speedup_the_same_split_and_a_faster_version():
-    champion = {"gates_passed": "true", "tau": "2.0", "k": "3", "eval_split": "a", "speedup": "1.3", "device": "cuda",
-                "kind": "standalone"}
+    champion = {"gates_passed": "true", "tau": "2.0", "k": "3", "eval_split": "a", "speedup": "1.3", "device": "cuda", "kind": "standalone"}
     head = {**champion, "kind": "eagle3", "tau": "2.9"}
     assert decide({**head, "speedup": "1.9"}, champion).promote  # either kind: the faster one
     assert "eagle3 1.9000x at K=3 beats the champion's (standalone) 1.3000x" in decide({**head, "speedup": "1.9"}, champion).reason
@@ -158,8 +172,12 @@ def test_a_bundle_measured_no_faster_than_plain_is_registered_but_not_champion(p
     root = tmp_path / "runs"
     shutil.copytree(tmp / "runs", root, ignore=shutil.ignore_patterns(".locks"))
     args = [a for a in pipeline_args(Path("unused"), root) if not a.startswith("evaluate.min_speedup")]
-    args = [f"target.name_or_path={json.loads(next((root / 'target').glob('*/target.json')).read_text())['name_or_path']}"
-            if a.startswith("target.name_or_path") else a for a in args]
+    args = [
+        f"target.name_or_path={json.loads(next((root / 'target').glob('*/target.json')).read_text())['name_or_path']}"
+        if a.startswith("target.name_or_path")
+        else a
+        for a in args
+    ]
     done = draftsmith(*args, "evaluate.min_speedup=100", cwd=tmp_path)  # only the registry stage runs again
     assert done.returncode == 0, done.stdout[-3000:]
     assert "version 2: registered, not promoted" in done.stdout and "is not above evaluate.min_speedup=100" in done.stdout
@@ -168,8 +186,11 @@ def test_a_bundle_measured_no_faster_than_plain_is_registered_but_not_champion(p
 
 def test_a_sweep_registers_each_job_and_the_best_becomes_champion(tiny_chat_target, published, tmp_path):
     root = tmp_path / "runs"
-    shutil.copytree(published[0] / "runs", root, ignore=shutil.ignore_patterns("distill", "quantize", "evaluate", "publish",
-                                                                               "registry", "mlflow.db", ".locks"))
+    shutil.copytree(
+        published[0] / "runs",
+        root,
+        ignore=shutil.ignore_patterns("distill", "quantize", "evaluate", "publish", "registry", "mlflow.db", ".locks"),
+    )
     args = [a for a in pipeline_args(tiny_chat_target, root) if not a.startswith("distill.max_steps")]
     sweep = draftsmith("run", "-m", *args[1:], "distill.max_steps=1,6", cwd=tmp_path)
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
@@ -191,9 +212,9 @@ def test_a_sweep_registers_each_job_and_the_best_becomes_champion(tiny_chat_targ
 
 
 def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
+    from draftsmith.pipeline.serving import BundleSourceError, load_server, resolve_bundle
     from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.scheduler import Request
-    from draftsmith.pipeline.serving import BundleSourceError, load_server, resolve_bundle
 
     tmp, bundle, _ = published
     from_registry = resolve_bundle("models:/draftsmith-draft@champion", f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
@@ -216,8 +237,27 @@ def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
 def test_bench_serve_compares_the_server_with_its_own_engine(published):
     tmp, bundle, _ = published
     out = tmp / "compare.json"
-    done = draftsmith("bench", "serve", "--compare-engine", str(bundle), "--device", "cpu", "--concurrency", "1",
-                      "--concurrency", "3", "--duration", "1", "--max-tokens", "8", "--repeats", "2", "--out", str(out), cwd=tmp)
+    done = draftsmith(
+        "bench",
+        "serve",
+        "--compare-engine",
+        str(bundle),
+        "--device",
+        "cpu",
+        "--concurrency",
+        "1",
+        "--concurrency",
+        "3",
+        "--duration",
+        "1",
+        "--max-tokens",
+        "8",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+        cwd=tmp,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -234,6 +274,7 @@ def test_bench_serve_compares_the_server_with_its_own_engine(published):
 
 
 # -- a bundle that travels, and verify as a gate -----------------------------------------------------
+
 
 def moved_target(published, tmp_path) -> tuple[Path, Path]:
     """A copy of the bundle whose recorded target path no longer exists, and a copy of the target elsewhere."""
@@ -306,18 +347,21 @@ def tampered(bundle: Path, how: str) -> None:
     write_manifest(bundle)  # built wrong, not tampered with afterwards: only the content checks can catch it
 
 
-@pytest.mark.parametrize("how,reason", [
-    ("manifest JSON", "manifest.json is not valid JSON"),
-    ("manifest without files", 'manifest.json has no "files" table'),
-    ("speculative_config JSON", "speculative_config.json is not valid JSON"),
-    ("draft config JSON", "draft/config.json is not valid JSON"),
-    ("truncated weights", "draft/model.safetensors is truncated"),
-    ("corrupted header", "draft/model.safetensors is not readable: its safetensors header is not valid JSON"),
-    ("layers", "draft tensor model.layers.1.input_layernorm.weight is missing (config.json has 5 layers)"),
-    ("K=1000", "num_speculative_tokens=1000: at most 16"),
-    ("symlinked weights", "draft/model.safetensors is a symbolic link"),
-    ("bare ignore", "quantization_config.ignore names 1 layer(s) bare ('model.layers.0.mlp.down_proj')"),
-])
+@pytest.mark.parametrize(
+    "how,reason",
+    [
+        ("manifest JSON", "manifest.json is not valid JSON"),
+        ("manifest without files", 'manifest.json has no "files" table'),
+        ("speculative_config JSON", "speculative_config.json is not valid JSON"),
+        ("draft config JSON", "draft/config.json is not valid JSON"),
+        ("truncated weights", "draft/model.safetensors is truncated"),
+        ("corrupted header", "draft/model.safetensors is not readable: its safetensors header is not valid JSON"),
+        ("layers", "draft tensor model.layers.1.input_layernorm.weight is missing (config.json has 5 layers)"),
+        ("K=1000", "num_speculative_tokens=1000: at most 16"),
+        ("symlinked weights", "draft/model.safetensors is a symbolic link"),
+        ("bare ignore", "quantization_config.ignore names 1 layer(s) bare ('model.layers.0.mlp.down_proj')"),
+    ],
+)
 def test_verify_refuses_a_broken_bundle_with_a_one_line_reason(bundle_copy, how, reason):
     tampered(bundle_copy, how)
     with pytest.raises(BundleError, match=re.escape(reason)):
@@ -332,12 +376,26 @@ def test_bundle_verify_lists_problems_without_a_traceback(bundle_copy, published
 
 def test_a_wrong_registry_is_one_line(published, tmp_path):
     tmp, _, _ = published
-    missing = draftsmith("serve", "models:/draftsmith-draft@champion", "--tracking-uri", f"sqlite:///{tmp_path / 'other.db'}",
-                         "--device", "cpu", cwd=tmp_path)
+    missing = draftsmith(
+        "serve",
+        "models:/draftsmith-draft@champion",
+        "--tracking-uri",
+        f"sqlite:///{tmp_path / 'other.db'}",
+        "--device",
+        "cpu",
+        cwd=tmp_path,
+    )
     assert missing.returncode == 1 and "there is no MLflow store at" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
-    unknown = draftsmith("serve", "models:/no-such-model@champion", "--tracking-uri", f"sqlite:///{tmp / 'runs' / 'mlflow.db'}",
-                         "--device", "cpu", cwd=tmp_path)
+    unknown = draftsmith(
+        "serve",
+        "models:/no-such-model@champion",
+        "--tracking-uri",
+        f"sqlite:///{tmp / 'runs' / 'mlflow.db'}",
+        "--device",
+        "cpu",
+        cwd=tmp_path,
+    )
     assert unknown.returncode == 1 and "could not be read from the registry" in unknown.stderr and "Traceback" not in unknown.stderr
 
 
@@ -368,8 +426,14 @@ def test_mlflow_records_plain_params_source_tags_artifacts_under_the_run_root_an
 def published_head(tiny_chat_target, tmp_path_factory):
     """The pipeline with draft=eagle3 up to publish: a bundle whose draft is an EAGLE-3 head."""
     tmp = tmp_path_factory.mktemp("publish_head")
-    done = draftsmith(*pipeline_args(tiny_chat_target, tmp / "runs"), "draft=eagle3", "draft.vocab_size=512",
-                      "tracking.enabled=false", "stop_after=publish", cwd=tmp)
+    done = draftsmith(
+        *pipeline_args(tiny_chat_target, tmp / "runs"),
+        "draft=eagle3",
+        "draft.vocab_size=512",
+        "tracking.enabled=false",
+        "stop_after=publish",
+        cwd=tmp,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     bundles = [p / "bundle" for p in (tmp / "runs" / "publish").iterdir() if not p.name.startswith(".")]
     assert len(bundles) == 1

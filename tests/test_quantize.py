@@ -1,14 +1,15 @@
 """AWQ of a tiny draft on CPU: compressed-tensors output that transformers and the runtime both load,
 the group-size choice, the int4 unpacking, and the guards that refuse the target and < 4 bits."""
+
 import json
 import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from draftsmith.distill.tokenizer import copy_tokenizer_files
-from draftsmith.distill.tokenizer import check_same_tokenizer
+from draftsmith.distill.tokenizer import check_same_tokenizer, copy_tokenizer_files
 from draftsmith.quantize.awq import QuantizeError, choose_group_size, quantize_awq
 from draftsmith.serve.compressed import unpack_int32
 from draftsmith.serve.weights import load_model
@@ -39,8 +40,7 @@ def w4a16(tiny_draft, tiny_chat_target, tmp_path_factory):
 def nearest(tiny_draft, tiny_chat_target, tmp_path_factory):
     """The same draft with each weight rounded to its nearest int4 level instead of by GPTQ (the default)."""
     out = tmp_path_factory.mktemp("q") / "nearest"
-    quantize_awq(tiny_draft, tiny_chat_target, out, calibration(), bits=4, group_size=None, ignore=["lm_head"],
-                 rounding="nearest")
+    quantize_awq(tiny_draft, tiny_chat_target, out, calibration(), bits=4, group_size=None, ignore=["lm_head"], rounding="nearest")
     copy_tokenizer_files(tiny_chat_target, out)
     return out
 
@@ -152,8 +152,16 @@ def test_scales_are_searched_in_the_calibration_dtype(w4a16, tiny_draft, tiny_ch
 
     out, done = w4a16
     assert done["calibration_dtype"] == "float32"
-    bf16 = quantize_awq(tiny_draft, tiny_chat_target, tmp_path / "bf16", calibration(), bits=4, group_size=None,
-                        ignore=["lm_head"], calibration_dtype="bfloat16")
+    bf16 = quantize_awq(
+        tiny_draft,
+        tiny_chat_target,
+        tmp_path / "bf16",
+        calibration(),
+        bits=4,
+        group_size=None,
+        ignore=["lm_head"],
+        calibration_dtype="bfloat16",
+    )
     assert bf16["calibration_dtype"] == "bfloat16"
     ours, theirs = load_file(out / "model.safetensors"), load_file(tmp_path / "bf16" / "model.safetensors")
     scales = [name for name in ours if name.endswith("weight_scale")]
@@ -161,8 +169,7 @@ def test_scales_are_searched_in_the_calibration_dtype(w4a16, tiny_draft, tiny_ch
     assert any(not torch.equal(ours[name], theirs[name]) for name in scales)
 
 
-def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, nearest, tiny_draft, tiny_chat_target,
-                                                              tmp_path):
+def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, nearest, tiny_draft, tiny_chat_target, tmp_path):
     # AWQ's scale search is the same either way (it rounds with min-max while searching), so both checkpoints
     # hold the same smoothed weights W * s (s folded out of the norm before each layer); the mse observer then
     # clips each group's range where its rounding error is least, which min-max (no clipping) never beats when
@@ -171,14 +178,28 @@ def test_the_mse_observer_rounds_each_group_closer_than_minmax(w4a16, nearest, t
     from draftsmith.serve.weights import read_config, read_safetensors
 
     assert w4a16[1]["observer"] == "mse"  # the default
-    assert quantize_awq(tiny_draft, tiny_chat_target, tmp_path / "minmax", calibration(), bits=4, group_size=None,
-                        ignore=["lm_head"], observer="minmax", rounding="nearest")["observer"] == "minmax"
+    assert (
+        quantize_awq(
+            tiny_draft,
+            tiny_chat_target,
+            tmp_path / "minmax",
+            calibration(),
+            bits=4,
+            group_size=None,
+            ignore=["lm_head"],
+            observer="minmax",
+            rounding="nearest",
+        )["observer"]
+        == "minmax"
+    )
     load = lambda path: dequantize(read_safetensors(path), read_config(path)["quantization_config"], torch.float32)
     dense, minmax, clipped = read_safetensors(tiny_draft), load(tmp_path / "minmax"), load(nearest)
     errors = {"minmax": 0.0, "mse": 0.0}
     for i in range(2):
-        for norm, linears in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                              ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))):
+        for norm, linears in (
+            ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ):
             at = f"model.layers.{i}."
             torch.testing.assert_close(minmax[at + norm + ".weight"], clipped[at + norm + ".weight"])
             s = dense[at + norm + ".weight"] / minmax[at + norm + ".weight"]
@@ -200,8 +221,7 @@ def test_gptq_rounding_follows_the_dense_draft_closer_than_rounding_to_nearest(w
 
     gptq, done = w4a16
     assert done["rounding"] == "gptq"  # the default
-    to_nearest, rounded = (dequantize(read_safetensors(p), read_config(p)["quantization_config"], torch.float32)
-                           for p in (nearest, gptq))
+    to_nearest, rounded = (dequantize(read_safetensors(p), read_config(p)["quantization_config"], torch.float32) for p in (nearest, gptq))
     norms = [name for name in to_nearest if name.endswith("layernorm.weight")]
     assert norms and all(torch.equal(to_nearest[n], rounded[n]) for n in norms)  # the same AWQ scales
     linears = [n for n in to_nearest if n.endswith("proj.weight")]
@@ -241,4 +261,7 @@ def test_portable_ignore_keeps_patterns_and_anchors_names():
     from draftsmith.quantize.awq import portable_ignore
 
     assert portable_ignore(["re:.*self_attn.*", "model.layers.1.mlp.down_proj", "lm_head", "lm_head"]) == [
-        "re:.*self_attn.*", r"re:(.*\.)?layers\.1\.mlp\.down_proj$", r"re:(.*\.)?lm_head$"]
+        "re:.*self_attn.*",
+        r"re:(.*\.)?layers\.1\.mlp\.down_proj$",
+        r"re:(.*\.)?lm_head$",
+    ]

@@ -1,6 +1,7 @@
 """Speculative sampling follows the target's distribution: a chi-square test on 20,000 samples of the
 first generated tokens, against the exact distribution computed from transformers' logits, and a
 deliberately wrong verifier that the same test must catch."""
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +10,7 @@ from scipy.stats import chisquare
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.proposers import PromptLookup
 from draftsmith.serve.rejection import append_correction
-from draftsmith.serve.sampling import RowSampling, SamplingParams, SamplingError, probabilities, sample
+from draftsmith.serve.sampling import RowSampling, SamplingError, SamplingParams, probabilities, sample
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_tiny_model
 
@@ -79,8 +80,9 @@ def speculative_samples(target_dir, draft_dir, params: SamplingParams, verify=No
     draft = load_model(draft_dir, torch.float64)
     if vocab is not None:
         draft.use_vocab(vocab)
-    engine = Engine(load_model(target_dir, torch.float64), draft,
-                    max_batch_size=SAMPLES, max_seq_len=12, **({"verify": verify} if verify else {}))
+    engine = Engine(
+        load_model(target_dir, torch.float64), draft, max_batch_size=SAMPLES, max_seq_len=12, **({"verify": verify} if verify else {})
+    )
     got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=k, proposer=proposer)
     return np.array([c.tokens[:3] for c in got.completions]), got.stats
 
@@ -133,8 +135,9 @@ def test_prompt_lookup_sampling_matches_target_distribution(small_vocab_models):
     assert second_third > 1e-3, second_third
 
 
-@pytest.mark.parametrize("temperature,top_p,verify,k", [(t, p, accept_only_equal_samples, 2) for t, p in SETTINGS[1:]]
-                         + [(1.0, 1.0, bonus_from_the_draft, 1)])
+@pytest.mark.parametrize(
+    "temperature,top_p,verify,k", [(t, p, accept_only_equal_samples, 2) for t, p in SETTINGS[1:]] + [(1.0, 1.0, bonus_from_the_draft, 1)]
+)
 def test_the_distribution_test_catches_a_wrong_verifier(small_vocab_models, temperature, top_p, verify, k):
     target_dir, draft_dir = small_vocab_models
     joint = exact_joint(target_dir, temperature, top_p)
@@ -161,7 +164,9 @@ def test_top_k_keeps_the_k_most_likely():
     assert probs.sum().item() == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.5), dict(max_new_tokens=0)])
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.5), dict(max_new_tokens=0)]
+)
 def test_bad_sampling_parameters_are_refused(bad):
     with pytest.raises(SamplingError, match=next(iter(bad))):
         SamplingParams(**bad)

@@ -1,6 +1,7 @@
 """Continuous batching stays lossless: requests that join and leave the running batch between steps get
 the target's greedy output token for token and its sampling distribution; adaptive K follows the
 cost model; a cancelled request frees its row."""
+
 import numpy as np
 import pytest
 import torch
@@ -17,8 +18,13 @@ from tests.test_speculative import random_prompts
 def engine_of(target_dir, draft_dir, batch: int, max_seq_len: int = 64, overlap: bool = False) -> Engine:
     # float64: the check is of the algorithm, not of float rounding between batch shapes. overlap: each step
     # is launched before the last one's tokens are handed out, as on a GPU
-    return Engine(load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64),
-                  max_batch_size=batch, max_seq_len=max_seq_len, overlap=overlap)
+    return Engine(
+        load_model(target_dir, torch.float64),
+        load_model(draft_dir, torch.float64),
+        max_batch_size=batch,
+        max_seq_len=max_seq_len,
+        overlap=overlap,
+    )
 
 
 def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple[list, list[int]]:
@@ -29,8 +35,7 @@ def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple
     ks: list[int] = []
     scheduler.on_step = lambda k, accepted: ks.append(k) if k else None
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    requests = [Request(list(p), q, on_done=lambda r, i=i: results.__setitem__(i, r))
-                for i, (p, q) in enumerate(zip(prompts, per_prompt))]
+    requests = [Request(list(p), q, on_done=lambda r, i=i: results.__setitem__(i, r)) for i, (p, q) in enumerate(zip(prompts, per_prompt))]
     pending = list(requests)
     while pending or scheduler.num_running or scheduler.num_waiting or scheduler.in_flight:
         for _ in range(len(pending) if not join_every else 1):
@@ -194,15 +199,23 @@ def test_a_seeded_request_gets_the_same_tokens_alone_or_joining_a_busy_batch(tin
     seeded = SamplingParams(temperature=1.0, max_new_tokens=10, seed=5, ignore_eos=True)
     others = SamplingParams(temperature=0.8, max_new_tokens=14, ignore_eos=True)
     prompts = random_prompts(5, 97, seed=3)
-    alone, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False, seed=1),
-                       [prompts[0]], seeded)
+    alone, _ = collect(
+        Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False, seed=1), [prompts[0]], seeded
+    )
     for join_every, overlap in ((0, False), (2, False), (2, True)):
-        crowd, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4, overlap=overlap), num_speculative_tokens=2, adaptive=False, seed=2),
-                           prompts[1:3] + [prompts[0]] + prompts[3:], [others, others, seeded, others, others], join_every)
+        crowd, _ = collect(
+            Scheduler(engine_of(target_dir, draft_dir, 4, overlap=overlap), num_speculative_tokens=2, adaptive=False, seed=2),
+            prompts[1:3] + [prompts[0]] + prompts[3:],
+            [others, others, seeded, others, others],
+            join_every,
+        )
         assert crowd[2].tokens == alone[0].tokens
         assert crowd[0].tokens != crowd[1].tokens or prompts[1] != prompts[2]
-    other_seed, _ = collect(Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False),
-                            [prompts[0]], SamplingParams(temperature=1.0, max_new_tokens=10, seed=6, ignore_eos=True))
+    other_seed, _ = collect(
+        Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=2, adaptive=False),
+        [prompts[0]],
+        SamplingParams(temperature=1.0, max_new_tokens=10, seed=6, ignore_eos=True),
+    )
     assert other_seed[0].tokens != alone[0].tokens
 
 

@@ -2,6 +2,7 @@
 streams, bad input gets a 4xx with an OpenAI-style body and the server keeps serving, metrics count,
 64 streaming clients for a minute end without an error, the alert rules and dashboard query metrics
 the server exports, and stream smoothing spreads bursts."""
+
 import asyncio
 import json
 import re
@@ -13,12 +14,12 @@ import httpx
 import pytest
 import torch
 
-from draftsmith.distill.tokenizer import copy_tokenizer_files
-from draftsmith.serve.engine import Engine
 from draftsmith.distill.data import heldout_messages
+from draftsmith.distill.tokenizer import copy_tokenizer_files
 from draftsmith.evaluate.bench_serve import run_level
-from draftsmith.serve.server import Server, create_app
+from draftsmith.serve.engine import Engine
 from draftsmith.serve.scheduler import PROBE_EVERY
+from draftsmith.serve.server import Server, create_app
 from draftsmith.serve.weights import load_model
 from tests.conftest import save_truncated_draft
 
@@ -38,10 +39,14 @@ def base_url(tiny_chat_target, tmp_path_factory):
 
     draft = save_truncated_draft(tiny_chat_target, tmp_path_factory.mktemp("srv") / "draft", keep_layers=1)
     copy_tokenizer_files(tiny_chat_target, draft)
-    engine = Engine(load_model(tiny_chat_target, torch.float32), load_model(draft, torch.float32), max_batch_size=16,
-                    max_seq_len=256, eos_token_ids=frozenset({2}))
-    server = Server(engine, AutoTokenizer.from_pretrained(tiny_chat_target), "tiny", num_speculative_tokens=3,
-                    max_model_len=200)
+    engine = Engine(
+        load_model(tiny_chat_target, torch.float32),
+        load_model(draft, torch.float32),
+        max_batch_size=16,
+        max_seq_len=256,
+        eos_token_ids=frozenset({2}),
+    )
+    server = Server(engine, AutoTokenizer.from_pretrained(tiny_chat_target), "tiny", num_speculative_tokens=3, max_model_len=200)
     port = free_port()
     config = uvicorn.Config(create_app(server, api_key=API_KEY), host="127.0.0.1", port=port, log_level="warning")
     thread = threading.Thread(target=uvicorn.Server(config).run, daemon=True)
@@ -79,14 +84,17 @@ def test_openai_client_completes_and_streams_the_same_greedy_text(base_url):
     assert [m.id for m in openai.models.list().data] == ["tiny"]
 
 
-@pytest.mark.parametrize("body,param", [
-    ('{"prompt": "hi", "max_tokens": 4', None),  # invalid JSON
-    ('{"prompt": "hi", "max_tokens": "four"}', "max_tokens"),
-    ('{"prompt": "", "max_tokens": 4}', "prompt"),
-    ('{"prompt": "hi", "max_tokens": 100000}', "max_tokens"),
-    ('{"prompt": "hi", "temperature": -1}', "temperature"),
-    ('{"prompt": "hi", "top_p": 0}', "top_p"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ('{"prompt": "hi", "max_tokens": 4', None),  # invalid JSON
+        ('{"prompt": "hi", "max_tokens": "four"}', "max_tokens"),
+        ('{"prompt": "", "max_tokens": 4}', "prompt"),
+        ('{"prompt": "hi", "max_tokens": 100000}', "max_tokens"),
+        ('{"prompt": "hi", "temperature": -1}', "temperature"),
+        ('{"prompt": "hi", "top_p": 0}', "top_p"),
+    ],
+)
 def test_bad_input_gets_a_4xx_and_the_server_answers_the_next_request(base_url, body, param):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     bad = httpx.post(f"{base_url}/v1/completions", content=body, headers=headers)
@@ -106,8 +114,7 @@ def test_api_key_health_and_metrics(base_url):
     done = client(base_url).completions.create(model="tiny", prompt="hello", max_tokens=PROBE_EVERY + 4, temperature=0)
     assert done.usage.completion_tokens > PROBE_EVERY
     metrics = httpx.get(f"{base_url}/metrics").text
-    drafts = [float(line.split()[-1]) for line in metrics.splitlines()
-              if line.startswith("draftsmith:spec_decode_num_drafts_total")]
+    drafts = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("draftsmith:spec_decode_num_drafts_total")]
     assert drafts and drafts[0] > 0
     assert "draftsmith:spec_decode_num_accepted_tokens_per_pos_total" in metrics
     assert "draftsmith:e2e_request_latency_seconds_count" in metrics
@@ -115,8 +122,7 @@ def test_api_key_health_and_metrics(base_url):
 
 def test_64_streaming_clients_for_a_minute_all_complete(base_url):
     # bench serve's own load generator: every request must end with [DONE] and its usage chunk
-    row = asyncio.run(run_level(base_url, "tiny", heldout_messages()[:32], concurrency=64, max_tokens=24,
-                                duration=60.0, api_key=API_KEY))
+    row = asyncio.run(run_level(base_url, "tiny", heldout_messages()[:32], concurrency=64, max_tokens=24, duration=60.0, api_key=API_KEY))
     assert row["errors"] == 0, row["first_error"]
     assert row["requests"] >= 64 and row["output_tokens"] > 0
     assert httpx.get(f"{base_url}/ready").status_code == 200  # and it still serves
@@ -125,8 +131,9 @@ def test_64_streaming_clients_for_a_minute_all_complete(base_url):
 
 
 def test_alert_rules_and_dashboard_query_metrics_the_server_exports(base_url):
-    import yaml
     from importlib import resources
+
+    import yaml
 
     client(base_url).completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
     exported = set(re.findall(r"^(draftsmith:[a-z_:]+)", httpx.get(f"{base_url}/metrics").text, re.M))
@@ -174,8 +181,7 @@ def test_stream_smoothing_sends_bursts_in_small_groups(tiny_chat_target):
     async def chunks(smooth: int) -> list[str]:
         model = load_model(tiny_chat_target, torch.float32)
         engine = Engine(model, load_model(tiny_chat_target, torch.float32), max_batch_size=2, max_seq_len=128)
-        server = Server(engine, tokenizer, "tiny", num_speculative_tokens=3, max_model_len=100, adaptive_k=False,
-                        smooth_stream=smooth)
+        server = Server(engine, tokenizer, "tiny", num_speculative_tokens=3, max_model_len=100, adaptive_k=False, smooth_stream=smooth)
         server.start()
         while not server.ready:
             await asyncio.sleep(0.05)
@@ -199,14 +205,22 @@ def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
     import openai as openai_errors
 
     openai = client(base_url)
-    short = openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                           max_completion_tokens=3, temperature=0)
+    short = openai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3, temperature=0
+    )
     assert short.usage.completion_tokens <= 3
-    parts = openai.chat.completions.create(model="tiny", temperature=0, max_tokens=5, messages=[
-        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    parts = openai.chat.completions.create(
+        model="tiny",
+        temperature=0,
+        max_tokens=5,
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+    )
     assert parts.choices[0].message.content is not None
-    ids = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                     json={"model": "tiny", "prompt": [[1, 5, 9]], "max_tokens": 3, "temperature": None}).json()
+    ids = httpx.post(
+        f"{base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "tiny", "prompt": [[1, 5, 9]], "max_tokens": 3, "temperature": None},
+    ).json()
     assert ids["usage"]["prompt_tokens"] == 3
     listed = openai.completions.create(model="tiny", prompt=["Balance inquiry:"], max_tokens=3, temperature=0)
     assert listed.choices[0].text is not None
@@ -214,26 +228,36 @@ def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
     both = openai.completions.create(model="tiny", prompt=["Card", "Card"], max_tokens=4, temperature=0, n=2)
     assert [c.index for c in both.choices] == [0, 1, 2, 3] and {c.text for c in both.choices} == {alone[0].choices[0].text}
     assert both.usage.prompt_tokens == 2 * alone[0].usage.prompt_tokens
-    ids = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                     json={"model": "tiny", "prompt": [[1, 5, 9], [1, 5, 9, 14]], "max_tokens": 4, "temperature": 0}).json()
+    ids = httpx.post(
+        f"{base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "tiny", "prompt": [[1, 5, 9], [1, 5, 9, 14]], "max_tokens": 4, "temperature": 0},
+    ).json()
     assert ids["choices"][0]["text"] == alone[1].choices[0].text and ids["usage"]["prompt_tokens"] == 7
     with pytest.raises(openai_errors.NotFoundError) as missing:
         openai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
-    two = lambda: openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, n=2,
-                                                 temperature=1.0, seed=4, logprobs=True)
+    two = lambda: openai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, n=2, temperature=1.0, seed=4, logprobs=True
+    )
     first = two()
     assert [c.index for c in first.choices] == [0, 1] and first.choices[0].message.content != first.choices[1].message.content
     assert first.usage.completion_tokens == sum(len(c.logprobs.content) for c in first.choices)  # every choice counted
     assert [c.message.content for c in two().choices] == [c.message.content for c in first.choices]  # seed, seed + 1
-    for extra, param in ((dict(n=65), "n"), (dict(top_logprobs=2), "top_logprobs"),
-                         (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(tools=[{"type": "function",
-                         "function": {"name": "f", "parameters": {}}}]), "tools")):
+    for extra, param in (
+        (dict(n=65), "n"),
+        (dict(top_logprobs=2), "top_logprobs"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    ):
         with pytest.raises(openai_errors.BadRequestError) as refused:
             openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, **extra)
         assert refused.value.body["param"] == param
-    best_of = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                         json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "n": 2, "best_of": 3}).json()
+    best_of = httpx.post(
+        f"{base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "n": 2, "best_of": 3},
+    ).json()
     assert best_of["error"]["param"] == "best_of"
     assert httpx.get(f"{base_url}/v1/models/tiny", headers={"Authorization": f"Bearer {API_KEY}"}).json()["id"] == "tiny"
     # no max_tokens: the rest of the context
@@ -259,23 +283,32 @@ def test_echo_puts_the_prompt_before_the_completion_streamed_or_not(base_url):
     with pytest.raises(openai_errors.BadRequestError) as refused:
         ask("Card", echo=True, logprobs=1)
     assert refused.value.body["param"] == "echo"
-    chat = httpx.post(f"{base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "echo": True})
+    chat = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "echo": True},
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
 
 
 def test_a_seed_repeats_the_text_and_top_k_1_and_min_p_1_are_greedy(base_url):
     openai = client(base_url)
-    ask = lambda seed, max_tokens=24, **kw: openai.completions.create(model="tiny", prompt="Balance inquiry:", temperature=1.0,
-                                                                      max_tokens=max_tokens, seed=seed, **kw).choices[0].text
+    ask = lambda seed, max_tokens=24, **kw: (
+        openai.completions.create(model="tiny", prompt="Balance inquiry:", temperature=1.0, max_tokens=max_tokens, seed=seed, **kw)
+        .choices[0]
+        .text
+    )
     first = ask(11)
     assert ask(11) == first and ask(12) != first
 
     greedy = openai.completions.create(model="tiny", prompt="Balance inquiry:", max_tokens=12, temperature=0).choices[0].text
     assert ask(None, max_tokens=12, extra_body={"top_k": 1}) == greedy  # vLLM's extension, as its clients send it
     assert ask(None, max_tokens=12, extra_body={"min_p": 1.0}) == greedy  # only the likeliest token is left
-    refused = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                         json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "min_p": 1.5})
+    refused = httpx.post(
+        f"{base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "min_p": 1.5},
+    )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_p"
 
 
@@ -285,16 +318,20 @@ def test_logprobs_are_the_targets_own(base_url, tiny_chat_target):
     from transformers import AutoModelForCausalLM
 
     openai = client(base_url)
-    chat = openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Card declined?"}], max_tokens=8,
-                                          temperature=0, logprobs=True, top_logprobs=3)
+    chat = openai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Card declined?"}], max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
     ids = [1, 5, 9, 14]
-    done = httpx.post(f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 0}).json()
+    done = httpx.post(
+        f"{base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 0},
+    ).json()
     got = done["choices"][0]["logprobs"]
     assert got["top_logprobs"] is None and len(got["tokens"]) == len(got["token_logprobs"]) == done["usage"]["completion_tokens"]
     target = AutoModelForCausalLM.from_pretrained(tiny_chat_target, dtype=torch.float32)
@@ -307,8 +344,16 @@ def test_logprobs_are_the_targets_own(base_url, tiny_chat_target):
 
 def test_a_stream_of_several_choices_with_logprobs_equals_the_whole_answer(base_url):
     openai = client(base_url)
-    ask = dict(model="tiny", messages=[{"role": "user", "content": "Why was my card declined?"}], max_tokens=10, temperature=0,
-               n=2, logprobs=True, top_logprobs=2, stop=" the")
+    ask = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Why was my card declined?"}],
+        max_tokens=10,
+        temperature=0,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        stop=" the",
+    )
     whole = openai.chat.completions.create(**ask)
     text, entries, usage = {0: "", 1: ""}, {0: [], 1: []}, None
     for chunk in openai.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
@@ -364,17 +409,26 @@ def test_clients_that_disconnect_free_their_rows(base_url):
 
 def test_bad_bodies_get_openai_errors(base_url):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    surrogate = httpx.post(f"{base_url}/v1/chat/completions", headers={**headers, "Content-Type": "application/json"},
-                           content=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 3}')
+    surrogate = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        headers={**headers, "Content-Type": "application/json"},
+        content=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 3}',
+    )
     assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "messages.0.content"
     huge = httpx.post(f"{base_url}/v1/completions", headers=headers, json={"prompt": "x", "padding": "y" * (5 << 20)})
     assert huge.status_code == 413 and huge.json()["error"]["message"].startswith("the request body is larger")
-    for response in (httpx.get(f"{base_url}/v1/nowhere", headers=headers), httpx.get(f"{base_url}/v1/completions", headers=headers),
-                     httpx.post(f"{base_url}/v1/completions", headers=headers, content=b"{not json")):
+    for response in (
+        httpx.get(f"{base_url}/v1/nowhere", headers=headers),
+        httpx.get(f"{base_url}/v1/completions", headers=headers),
+        httpx.post(f"{base_url}/v1/completions", headers=headers, content=b"{not json"),
+    ):
         assert 400 <= response.status_code < 500 and set(response.json()["error"]) == {"message", "type", "param", "code"}
         assert response.json()["error"]["param"] is None
-    curl_style = httpx.post(f"{base_url}/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
-                            headers={**headers, "Content-Type": "application/x-www-form-urlencoded"})  # what curl -d sends
+    curl_style = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b'{"prompt": "hi", "max_tokens": 2}',
+        headers={**headers, "Content-Type": "application/x-www-form-urlencoded"},
+    )  # what curl -d sends
     assert curl_style.status_code == 200
 
 
@@ -397,7 +451,7 @@ def test_incremental_detokenization_gives_the_whole_decode_in_any_bursts(tiny_ch
         choice, i = IncrementalText(decode), 0
         while i < len(ids):
             n = draw.randint(1, 4)
-            choice.extend(ids[i:i + n])
+            choice.extend(ids[i : i + n])
             i += n
             assert decode(ids[:i]).startswith(choice.text) and "\ufffd" not in choice.text
         assert choice.text == decode(ids) == text

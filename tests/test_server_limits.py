@@ -1,6 +1,7 @@
 """What one request can do to the others, and what the server refuses: stop strings matched in linear time
 off the event loop, within limits; wrong types, out-of-range integers and duplicate keys refused with a 4xx in
 OpenAI's error shape; oversized chunked bodies answered with 413."""
+
 import json
 import random
 import threading
@@ -8,7 +9,8 @@ import time
 
 import httpx
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from draftsmith.serve.stops import StopStrings
 from tests.test_server import API_KEY, base_url  # noqa: F401 - the running server fixture
@@ -24,8 +26,9 @@ def naive(text: str, stops: list[str]) -> tuple[int | None, int]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(stops=st.lists(st.text("abc", min_size=1, max_size=6), min_size=1, max_size=5),
-       pieces=st.lists(st.text("abcd", max_size=5), max_size=8))
+@given(
+    stops=st.lists(st.text("abc", min_size=1, max_size=6), min_size=1, max_size=5), pieces=st.lists(st.text("abcd", max_size=5), max_size=8)
+)
 def test_the_automaton_finds_what_a_search_of_the_whole_text_finds(stops, pieces):
     scan, text = StopStrings(tuple(stops)).scan(), ""
     for piece in pieces:
@@ -76,8 +79,10 @@ def test_long_stop_strings_stall_neither_health_nor_other_requests(base_url):  #
 
     draw = random.Random(0)
     stops = lambda: ["".join(draw.choice("abcdefgh ") for _ in range(1000)) for _ in range(50)]
-    bodies = [{"prompt": "Tell me about fees.", "max_tokens": 24, "temperature": 0.8, "seed": i, "stream": True,
-               "stop": stops()} for i in range(16)]
+    bodies = [
+        {"prompt": "Tell me about fees.", "max_tokens": 24, "temperature": 0.8, "seed": i, "stream": True, "stop": stops()}
+        for i in range(16)
+    ]
     polls = []
     # the clients in a process of their own, as real clients are: not in the server's interpreter
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients, httpx.Client() as poller:
@@ -93,23 +98,26 @@ def test_long_stop_strings_stall_neither_health_nor_other_requests(base_url):  #
     assert len(polls) >= 3 and max(polls) < 0.1, sorted(polls)[-5:]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "hi", "seed": 2 ** 64}, "seed"),
-    ({"prompt": "hi", "seed": -(2 ** 63) - 1}, "seed"),
-    ({"prompt": "hi", "seed": 2 ** 63 - 1, "n": 2}, "seed"),  # choice 1 samples with seed + 1
-    ({"prompt": "hi", "top_k": 2 ** 63}, "top_k"),
-    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
-    ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": [True, False]}, "prompt"),
-    ('{"prompt": "hi", "temperature": NaN}', "temperature"),
-    ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias"),
-    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
-    ({"prompt": "hi", "logit_bias": {"49152": 1.0}}, "logit_bias"),
-    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
-    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
-    ({"prompt": "hi", "stop": ["a", ""]}, "stop"),
-    ({"prompt": [[5, 6], [7, 49152]]}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "hi", "seed": 2**64}, "seed"),
+        ({"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+        ({"prompt": "hi", "seed": 2**63 - 1, "n": 2}, "seed"),  # choice 1 samples with seed + 1
+        ({"prompt": "hi", "top_k": 2**63}, "top_k"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": [True, False]}, "prompt"),
+        ('{"prompt": "hi", "temperature": NaN}', "temperature"),
+        ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"49152": 1.0}}, "logit_bias"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "hi", "stop": ["a", ""]}, "stop"),
+        ({"prompt": [[5, 6], [7, 49152]]}, "prompt"),
+    ],
+)
 def test_each_bad_parameter_gets_a_4xx_naming_it(base_url, body, param):  # noqa: F811
     refused = post(base_url, body)
     assert refused.status_code == 400, refused.text

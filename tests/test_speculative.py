@@ -1,4 +1,5 @@
 """Speculative decoding is lossless: greedy output is the target's, token for token."""
+
 import random
 
 import pytest
@@ -32,7 +33,7 @@ def test_greedy_speculative_equals_target_greedy(tiny_models, family):
     prompts = random_prompts(NUM_PROMPTS, 97, seed=FAMILIES.index(family))
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     one, wide = engines(target_dir, draft_dir, 1), engines(target_dir, draft_dir, 51, overlap=True)
-    chunks = [prompts[i:i + 50] for i in range(0, NUM_PROMPTS, 50)]  # rows of different lengths, each accepting its own count
+    chunks = [prompts[i : i + 50] for i in range(0, NUM_PROMPTS, 50)]  # rows of different lengths, each accepting its own count
     expected = [c.tokens for chunk in chunks for c in wide.generate(chunk, params).completions]
     # one sampled row makes the whole step verify through the rejection sampler: greedy rows with one-hot
     # distributions, which must keep exactly the drafts that equal the target's argmax
@@ -41,10 +42,10 @@ def test_greedy_speculative_equals_target_greedy(tiny_models, family):
     for k in range(1, 9):
         for i, chunk in enumerate(chunks):
             got = wide.generate(chunk, params, num_speculative_tokens=k)
-            assert [c.tokens for c in got.completions] == expected[50 * i:50 * i + 50], f"K={k}, prompts {50 * i}.."
+            assert [c.tokens for c in got.completions] == expected[50 * i : 50 * i + 50], f"K={k}, prompts {50 * i}.."
             accepted += got.stats.num_accepted_tokens
             mixed = wide.generate(chunk + [chunk[0]], [params] * len(chunk) + [sampled], num_speculative_tokens=k)
-            assert [c.tokens for c in mixed.completions[:-1]] == expected[50 * i:50 * i + 50], f"K={k}, one-hot, prompts {50 * i}.."
+            assert [c.tokens for c in mixed.completions[:-1]] == expected[50 * i : 50 * i + 50], f"K={k}, one-hot, prompts {50 * i}.."
         for i in range(k, NUM_PROMPTS, 25):  # batch 1: 8 prompts per K, other ones at each K
             got = one.generate([prompts[i]], params, num_speculative_tokens=k)
             assert got.completions[0].tokens == expected[i], f"K={k}, prompt {i}, batch 1"
@@ -63,7 +64,7 @@ def test_engines_sharing_models_run_in_turns_each_on_its_own_cache(tiny_models):
     narrow = Engine(target, draft, max_batch_size=2, max_seq_len=40)  # smaller caches, set up since
     for _ in range(2):
         assert [c.tokens for c in wide.generate(prompts, params).completions] == expected
-        got = [c.tokens for i in (0, 2, 4) for c in narrow.generate(prompts[i:i + 2], params, 3).completions]
+        got = [c.tokens for i in (0, 2, 4) for c in narrow.generate(prompts[i : i + 2], params, 3).completions]
         assert got == expected
 
 
@@ -71,8 +72,10 @@ def test_greedy_with_an_unrelated_draft(tiny_models):
     # a draft that almost never agrees exercises the rejection path at position 0
     target_dir, _ = tiny_models["llama"]
     other_target, _ = tiny_models["smollm2"]
+    import pathlib
+    import tempfile
+
     from tests.conftest import save_tiny_model
-    import tempfile, pathlib
 
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = save_tiny_model(pathlib.Path(tmp) / "d", "llama", seed=99, num_layers=1)
@@ -110,8 +113,12 @@ def test_spec_stats_count_tau_and_acceptance(tiny_models, overlap):
     target_dir, _ = tiny_models["llama"]
     engine = engines(target_dir, target_dir, 1, overlap)  # the target as its own draft accepts everything
     streamed = []
-    got = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1 + 3 * 5), num_speculative_tokens=4,
-                          on_tokens=lambda row, tokens: streamed.append(len(tokens)))
+    got = engine.generate(
+        [[1, 2, 3]],
+        SamplingParams(max_new_tokens=1 + 3 * 5),
+        num_speculative_tokens=4,
+        on_tokens=lambda row, tokens: streamed.append(len(tokens)),
+    )
     assert got.stats.acceptance_rate == 1.0
     assert got.stats.tau == 5.0
     assert got.target_steps == 3  # with overlap a fourth step was launched before the third's tokens were read: not counted

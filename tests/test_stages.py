@@ -1,4 +1,5 @@
 """Cached, atomic stages: fingerprints, reuse, reruns downstream only, no half-written output."""
+
 import json
 from dataclasses import dataclass
 

@@ -1,5 +1,6 @@
 """The comparison `make vllm-check` makes between vLLM's own counters and eval.json (pipeline/vllm_check.py);
 vLLM itself runs in its own venv, in CI after the suite (`.ci/run`), so here only what decides the verdict."""
+
 from dataclasses import dataclass, field
 
 import pytest
@@ -15,10 +16,14 @@ class Metric:  # the fields of vLLM's metric snapshot entries (vllm.v1.metrics.r
 
 
 # an eval.json of format 2, whose rows named accepted / drafted "alpha" (format 3: "acceptance_rate")
-REPORT = {"shipped": "w4a16", "acceptance": [
-    {"proposer": "w4a16", "temperature": 0.0, "k": 2, "alpha": 0.39, "tau": 1.78, "acceptance_by_position": [0.478, 0.302]},
-    {"proposer": "w4a16", "temperature": 0.7, "k": 2, "alpha": 0.30, "tau": 1.60, "acceptance_by_position": [0.4, 0.2]},
-    {"proposer": "bf16", "temperature": 0.0, "k": 2, "alpha": 0.41, "tau": 1.82, "acceptance_by_position": [0.5, 0.32]}]}
+REPORT = {
+    "shipped": "w4a16",
+    "acceptance": [
+        {"proposer": "w4a16", "temperature": 0.0, "k": 2, "alpha": 0.39, "tau": 1.78, "acceptance_by_position": [0.478, 0.302]},
+        {"proposer": "w4a16", "temperature": 0.7, "k": 2, "alpha": 0.30, "tau": 1.60, "acceptance_by_position": [0.4, 0.2]},
+        {"proposer": "bf16", "temperature": 0.0, "k": 2, "alpha": 0.41, "tau": 1.82, "acceptance_by_position": [0.5, 0.32]},
+    ],
+}
 
 
 def test_the_expected_row_is_the_shipped_draft_at_the_bundles_k_and_greedy():
@@ -28,9 +33,14 @@ def test_the_expected_row_is_the_shipped_draft_at_the_bundles_k_and_greedy():
 
 
 def test_vllm_counters_give_acceptance_by_position_rate_and_length():
-    metrics = [Metric("vllm:spec_decode_num_drafts", 1000), Metric("vllm:spec_decode_num_draft_tokens", 2000),
-               Metric("vllm:spec_decode_num_accepted_tokens", 763), Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[474, 289]),
-               Metric("vllm:num_requests_running", 0), Metric("vllm:generation_tokens", 5000)]
+    metrics = [
+        Metric("vllm:spec_decode_num_drafts", 1000),
+        Metric("vllm:spec_decode_num_draft_tokens", 2000),
+        Metric("vllm:spec_decode_num_accepted_tokens", 763),
+        Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[474, 289]),
+        Metric("vllm:num_requests_running", 0),
+        Metric("vllm:generation_tokens", 5000),
+    ]
     measured = derived(spec_counters(metrics))
     assert measured["acceptance_by_position"] == [0.474, 0.289]
     assert measured["acceptance_rate"] == pytest.approx(0.3815) and measured["tau"] == pytest.approx(1.763)
@@ -40,9 +50,11 @@ def test_vllm_counters_give_acceptance_by_position_rate_and_length():
 def test_a_disagreement_names_the_position_and_both_numbers():
     measured = {"acceptance_by_position": [0.474, 0.25]}
     assert disagreements(measured, expected_row(REPORT, 2), 0.03) == [
-        "position 2: vLLM 0.2500, eval.json 0.3020 (difference -0.0520, tolerance 0.03)"]
+        "position 2: vLLM 0.2500, eval.json 0.3020 (difference -0.0520, tolerance 0.03)"
+    ]
     assert disagreements({"acceptance_by_position": [0.5]}, expected_row(REPORT, 2), 0.03) == [
-        "vLLM counted 1 draft positions, eval.json has 2"]
+        "vLLM counted 1 draft positions, eval.json has 2"
+    ]
     assert disagreements({"acceptance_by_position": []}, expected_row(REPORT, 2), 0.03)  # no drafts at all: disagrees
 
 
