@@ -3,7 +3,10 @@ weights on the GPU, evaluate/bench_shapes.py): CUDA-event times of a whole plain
 the target's compiled forward over 1..6 tokens, against the weights-over-bandwidth floor, and the heaviest
 kernels of each.
 
-    python3 benchmarks/profile_shape.py [--shape llama-3.1-8b] [--batch 1] [--bandwidth 4800]
+    python3 benchmarks/profile_shape.py [--shape llama-3.1-8b] [--batch 1] [--bandwidth 4800] [--variants]
+
+--variants times the plain step instead under settings that may move it: torch's attention instead of the
+runtime's kernel, and inductor's GEMM autotuning for the compiled blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +32,21 @@ def cuda_ms(run, repeats: int = 100) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def gemv_ms(target) -> float:
+    """The model's matrix products alone at one token (each layer's and the LM head), replayed from one CUDA
+    graph: what cuBLAS's kernels cost for these weights, apart from everything else in a step."""
+    import torch.nn.functional as F
+
+    weights = [m.weight for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype) for w in weights}
+    run = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return cuda_ms(graph.replay)
+
+
 def top_kernels(run, rows: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -42,21 +60,53 @@ def top_kernels(run, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=80)
 
 
+def plain_step_ms(shape: str, batch: int) -> float:
+    target = build(SHAPES[shape], torch.bfloat16, "cuda")
+    engine = Engine(target, None, max_batch_size=batch, max_seq_len=512)
+    zeros = torch.zeros(batch, dtype=torch.long, device="cuda")
+    state = DecodeState(lengths=torch.full((batch,), 128, device="cuda"), pending=zeros, previous=zeros.clone())
+    active = torch.zeros(batch, dtype=torch.bool, device="cuda")
+    with torch.inference_mode():
+        return cuda_ms(lambda: engine.step_graphs(state, active, 0))
+
+
+def variants(shape: str, batch: int, floor: float) -> None:
+    """The whole plain step's time under each setting, each on a fresh engine and compilation."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    from draftsmith.serve import model
+
+    settings = {"default": {}, "torch attention": {"attention": False}, "GEMM autotuning": {"autotune": True}}
+    print(f"\n{shape}, batch {batch}: the whole plain step by setting (floor {floor:.3f} ms)")
+    for name, setting in settings.items():
+        torch._dynamo.reset()
+        model.USE_DECODE_ATTENTION = setting.get("attention", True)
+        inductor.max_autotune_gemm = setting.get("autotune", False)
+        ms = plain_step_ms(shape, batch)
+        torch.cuda.empty_cache()
+        print(f"{name:<20} {ms:8.3f} ms  {ms / floor:5.2f} x floor", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s")
+    parser.add_argument("--variants", action="store_true", help="time the plain step under each setting instead")
     args = parser.parse_args()
     target = build(SHAPES[args.shape], torch.bfloat16, "cuda")
     floor = bandwidth_floor_ms(target, args.bandwidth)
+    if args.variants:
+        del target
+        return variants(args.shape, args.batch, floor)
     engine = Engine(target, None, max_batch_size=args.batch, max_seq_len=512)
     zeros = torch.zeros(args.batch, dtype=torch.long, device="cuda")
     state = DecodeState(lengths=torch.full((args.batch,), 128, device="cuda"), pending=zeros, previous=zeros.clone())
     active = torch.zeros(args.batch, dtype=torch.bool, device="cuda")
     with torch.inference_mode():
         step = lambda: engine.step_graphs(state, active, 0)
-        rows = [("whole plain step (graph)", 1, cuda_ms(step))]
+        rows = [("whole plain step (graph)", 1, cuda_ms(step)), ("matrix products alone", 1, gemv_ms(target))]
         for t in range(1, 7):
             tokens = torch.zeros(args.batch, t, dtype=torch.long, device="cuda")
             positions = (torch.arange(t, device="cuda") + 128).expand(args.batch, t)
@@ -69,7 +119,7 @@ def main() -> None:
         print(top_kernels(lambda: engine.target_forward(tokens, positions)))
     print(f"\n{args.shape}, batch {args.batch}: weights-over-bandwidth floor {floor:.3f} ms ({args.bandwidth:.0f} GB/s)")
     print(f"{'what':<28} {'tokens':>6} {'ms':>8} {'x floor':>8} {'x 1 token':>9}")
-    one = rows[1][2]
+    one = rows[2][2]
     for what, t, ms in rows:
         print(f"{what:<28} {t:>6} {ms:>8.3f} {ms / floor:>8.2f} {ms / one:>9.2f}")
 

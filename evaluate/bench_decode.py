@@ -245,6 +245,33 @@ def environment(device: str) -> dict:
     return info
 
 
+def results_table(rows: list[BenchRow], title: str):
+    """The rows as a rich table, each against plain decoding at its batch size (and transformers' generate)."""
+    from rich.table import Table
+
+    hf = next((r for r in rows if r.method == "transformers generate"), None)
+    plain_of = lambda r: [p for p in rows if p.method.startswith("plain") and ("batch" in p.method) == ("batch" in r.method)][-1]
+    table = Table(title=title)
+    # kept: accepted / drafted at the row's K (vLLM's acceptance rate, which falls with K); alpha is its value at K = 1
+    for column in ("method", "tok/s", "min-max", "ms/step", "steps", "tau", "kept", "x HF", "x plain", "=plain"):
+        table.add_column(column, justify="right" if column != "method" else "left")
+    for r in rows:
+        low, high = r.spread
+        table.add_row(
+            r.method,
+            f"{r.tokens_per_s:.1f}",
+            f"{low:.0f}-{high:.0f}",
+            f"{r.ms_per_target_step:.3f}",
+            str(r.target_steps),
+            f"{r.tau:.2f}" if r.tau else "",
+            f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "",
+            f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "",
+            f"{r.tokens_per_s / plain_of(r).tokens_per_s:.2f}x",
+            {True: "yes", False: "no", None: ""}[r.matches_plain],
+        )
+    return table
+
+
 def write_results(rows: list[BenchRow], path: Path, command: str, device: str, extra: dict | None = None) -> None:
     payload = {**environment(device), "command": command, **(extra or {}), "rows": [r.as_dict() for r in rows]}
     path.write_text(json.dumps(payload, indent=2))

@@ -208,14 +208,17 @@ def engine_speed(
     return plain_run, shipped_run, runs, disturbed, speedup
 
 
-def k_by_batch_size(ev: Evaluation, draft, tau: dict[int, float], k_cap: int) -> dict[str, Any]:
+def k_by_batch_size(ev: Evaluation, draft, tau: dict[int, float], measured: dict[int, float], k_cap: int) -> dict[str, Any]:
     """The K that pays at each of evaluate.dynamic_k_batch_sizes: whole steps timed at K = 0..max on an engine
-    with that many rows, the predicted speedup tau(K) x plain step / step, the best K (0 where none beats
-    plain decoding), and the schedule vLLM's dynamic speculation reads (num_speculative_tokens_per_batch_size:
-    inclusive batch-size ranges, K at most the bundle's num_speculative_tokens, which vLLM caps it to)."""
-    sizes = sorted({1, *ev.e.dynamic_k_batch_sizes})
+    with that many rows (at the evaluation batch size, the step costs K was chosen from: `measured`, K -> ms,
+    0 plain), the predicted speedup tau(K) x plain step / step, the best K (0 where none beats plain decoding),
+    and the schedule vLLM's dynamic speculation reads (num_speculative_tokens_per_batch_size: inclusive
+    batch-size ranges, K at most the bundle's num_speculative_tokens, which vLLM caps it to)."""
+    sizes = sorted({1, ev.e.batch_size, *ev.e.dynamic_k_batch_sizes})
     engine = ev.engine(draft, max_batch_size=max(sizes))
-    step_ms = {b: {k: engine.time_step(b, k) for k in range(ev.e.max_speculative_tokens + 1)} for b in sizes}
+    step_ms = {
+        b: measured if b == ev.e.batch_size else {k: engine.time_step(b, k) for k in range(ev.e.max_speculative_tokens + 1)} for b in sizes
+    }
     del engine
     ev.free()
     predicted = {b: {k: cost.predicted_speedup(tau[k], ms[0], ms[k]) for k in ms if k} for b, ms in step_ms.items()}
@@ -258,7 +261,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         progress.advance(task)
         del shipped_engine, plain
         progress.update(task, description="the K that pays at each batch size")
-        dynamic = k_by_batch_size(ev, drafts[shipped], {0: 1.0, **tau(shipped)}, k)
+        dynamic = k_by_batch_size(ev, drafts[shipped], {0: 1.0, **tau(shipped)}, {0: plain_ms, **step_ms[shipped]}, k)
         progress.advance(task)
     data = inputs["data"]
     speed = Speed(

@@ -112,11 +112,10 @@ def bench_decode(
 
     import torch
     from rich.console import Console
-    from rich.table import Table
 
     from draftsmith.distill.data import heldout_messages
     from draftsmith.distill.draft import build_from_target, every_nth_layer
-    from draftsmith.evaluate.bench_decode import chat_prompts, run_bench, write_results
+    from draftsmith.evaluate.bench_decode import chat_prompts, results_table, run_bench, write_results
     from draftsmith.pipeline.config import TargetConfig
     from draftsmith.pipeline.target import resolve_target_dir
     from draftsmith.serve.weights import read_config
@@ -142,28 +141,8 @@ def bench_decode(
             with_eager=eager,
             batch=batch,
         )
-    hf = next((r for r in rows if r.method == "transformers generate"), None)
-    plain_of = lambda r: [p for p in rows if p.method.startswith("plain") and ("batch" in p.method) == ("batch" in r.method)][-1]
-    table = Table(
-        title=f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {new_tokens} new tokens, greedy, median of {repeats} runs"
-    )
-    # kept: accepted / drafted at the row's K (vLLM's acceptance rate, which falls with K); alpha is its value at K = 1
-    for column in ("method", "tok/s", "min-max", "ms/step", "steps", "tau", "kept", "x HF", "x plain", "=plain"):
-        table.add_column(column, justify="right" if column != "method" else "left")
-    for r in rows:
-        low, high = r.spread
-        table.add_row(
-            r.method,
-            f"{r.tokens_per_s:.1f}",
-            f"{low:.0f}-{high:.0f}",
-            f"{r.ms_per_target_step:.3f}",
-            str(r.target_steps),
-            f"{r.tau:.2f}" if r.tau else "",
-            f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "",
-            f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "",
-            f"{r.tokens_per_s / plain_of(r).tokens_per_s:.2f}x",
-            {True: "yes", False: "no", None: ""}[r.matches_plain],
-        )
+    title = f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {new_tokens} new tokens, greedy, median of {repeats} runs"
+    table = results_table(rows, title)
     Console().print(table)
     if out:
         write_results(rows, out, " ".join(sys.argv), device, {"target": target, "drafts": [str(d) for d in draft]})

@@ -69,13 +69,14 @@ def batch_and_k(spec: dict) -> tuple[int | None, int, str]:
     return last, min(k, k_first), f"the schedule {schedule} loaded; batches of at most {last} run at K={min(k, k_first)}"
 
 
-def dtype_of(draft: Path) -> tuple[str, str]:
+def dtype_of(draft: Path, report: dict) -> tuple[str, str]:
     """The dtype vLLM runs in, and why: vLLM's CPU kernels for W4A16 (compressed-tensors pack-quantized) take
-    bf16 activations only; otherwise float32, as the evaluate stage computed acceptance on a CPU."""
+    bf16 activations only; otherwise the dtype the evaluate stage computed acceptance in (eval.json's)."""
     config = json.loads((draft / "config.json").read_text())
     if config.get("quantization_config"):
         return "bfloat16", "bfloat16: vLLM's CPU W4A16 kernels take bf16 activations only"
-    return "float32", "float32, as evaluate computed acceptance on a CPU"
+    dtype = report.get("dtype", "float32")
+    return dtype, f"{dtype}, as evaluate computed acceptance"
 
 
 def spec_counters(metrics: list) -> dict:
@@ -146,7 +147,7 @@ def check(bundle: Path, target: str, tolerance: float) -> dict:
     max_num_seqs, k, schedule = batch_and_k(spec)
     expected = expected_row(report, k)
     spec = {**spec, "model": str(bundle / "draft")}  # the bundle's own draft, wherever the bundle is now
-    dtype, why = dtype_of(bundle / "draft")
+    dtype, why = dtype_of(bundle / "draft", report)
     counters, seconds = run_vllm(
         target, spec, prompts["prompt_token_ids"], prompts["max_new_tokens"], max_model_len(bundle), dtype, max_num_seqs
     )

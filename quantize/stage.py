@@ -121,4 +121,11 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     }
 
 
-STAGE = Stage(name="quantize", config_keys=("quantize", "seed"), inputs=("target", "teacher", "distill"), run=run)
+# output format 2: quantization_config.ignore as re: patterns (format 1's bare names do not load in vLLM)
+STAGE = Stage(
+    name="quantize",
+    config_keys=("quantize", "seed"),
+    inputs=("target", "teacher", "distill"),
+    run=run,
+    identity=lambda cfg: {"output_format": 2},
+)

@@ -111,46 +111,15 @@ if triton is not None:
     op = torch.library.custom_op("draftsmith::decode_attention", decode_attention, mutates_args=())
     op.register_fake(lambda q, keys, values, slots, max_seq_len, read=None: torch.empty_like(q))
 
+    # the kernel's pointers and strides as the launch passes them
+    # fmt: off
     @triton.jit
-    def _decode_attention(
-        Q,
-        K,
-        V,
-        O,
-        Parts,
-        Lse,
-        Slots,
-        Rows,
-        sqb,
-        sqt,
-        sqh,
-        sqd,
-        skb,
-        skh,
-        sks,
-        skd,
-        svb,
-        svh,
-        svs,
-        svd,
-        sob,
-        sot,
-        soh,
-        sod,
-        ssb,
-        sst,
-        scale,
-        max_seq_len,
-        chunk,
-        T: tl.constexpr,
-        G: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr,
-        READ_ROWS: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
+    def _decode_attention(Q, K, V, O, Parts, Lse, Slots, Rows,
+                          sqb, sqt, sqh, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, sot, soh, sod, ssb, sst,
+                          scale, max_seq_len, chunk,
+                          T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, READ_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+        # fmt: on
         b = tl.program_id(0)
         h = tl.program_id(1)  # the KV head; it serves query heads h*G .. h*G+G-1
         split = tl.program_id(2)

@@ -49,6 +49,17 @@ class Streamed:
     last_burst: float = 0.0
     step_s: float = 0.0  # a moving average of the time between bursts: the pacing budget
 
+    def burst(self, now: float) -> bool:
+        """Tokens arrived at `now`: the pacing budget follows the time between bursts. Whether they are the first."""
+        first = self.first_at is None
+        if first:
+            self.first_at = now
+        else:
+            gap = now - self.last_burst
+            self.step_s = 0.7 * self.step_s + 0.3 * gap if self.step_s else gap
+        self.last_burst = now
+        return first
+
     def extend(self, tokens: list[int]) -> None:
         added = self.text.extend(tokens)
         if self.scan is not None:
@@ -98,18 +109,8 @@ async def stream(
     try:
         for index, echo in enumerate(echoes):
             if chat or echo:
-                yield event(
-                    {
-                        "choices": [
-                            {
-                                "index": index,
-                                "finish_reason": None,
-                                "logprobs": None,
-                                **({"delta": {"role": "assistant", "content": ""}} if chat else {"text": echo}),
-                            }
-                        ]
-                    }
-                )
+                opening = {"delta": {"role": "assistant", "content": ""}} if chat else {"text": echo}
+                yield event({"choices": [{"index": index, "finish_reason": None, "logprobs": None, **opening}]})
         while len(results) < len(submitted):
             index, item = await updates.get()
             request, choice = submitted[index], choices[index]
@@ -123,14 +124,8 @@ async def stream(
                 server.metrics.observe_request(len(result.prompt_tokens), len(result.tokens), started, choice.first_at, time.perf_counter())
                 results[index] = result
                 continue
-            now = time.perf_counter()
-            if choice.first_at is None:
-                choice.first_at = now
-                server.metrics.ttft.observe(now - started)
-            else:
-                gap = now - choice.last_burst
-                choice.step_s = 0.7 * choice.step_s + 0.3 * gap if choice.step_s else gap
-            choice.last_burst = now
+            if choice.burst(time.perf_counter()):
+                server.metrics.ttft.observe(choice.first_at - started)
             group = server.smooth_stream or len(item)
             groups = [item[i : i + group] for i in range(0, len(item), group)]
             for j, part in enumerate(groups):
