@@ -255,29 +255,17 @@ def safetensors_header(path: Path) -> tuple[dict | None, str | None]:
 
 
 def expected_shapes(config: dict) -> dict[str, list[int]]:
-    """The HF tensor names and shapes of a Llama-family checkpoint with this config.json."""
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    shapes = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
-    if not config.get("tie_word_embeddings"):
-        shapes["lm_head.weight"] = [vocab, hidden]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": [hidden],
-                p + "post_attention_layernorm.weight": [hidden],
-                p + "self_attn.q_proj.weight": [heads * head_dim, hidden],
-                p + "self_attn.k_proj.weight": [kv * head_dim, hidden],
-                p + "self_attn.v_proj.weight": [kv * head_dim, hidden],
-                p + "self_attn.o_proj.weight": [hidden, heads * head_dim],
-                p + "mlp.gate_proj.weight": [inter, hidden],
-                p + "mlp.up_proj.weight": [inter, hidden],
-                p + "mlp.down_proj.weight": [hidden, inter],
-            }
-        )
+    """The tensor names and shapes of an HF checkpoint with this config.json, whatever its family: the model
+    transformers builds for it, on the meta device (nothing allocated), less a tied LM head (not saved)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {key: value for key, value in config.items() if key not in ("quantization_config", "architectures", "transformers_version")}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+    shapes = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
     return shapes
 
 
@@ -298,9 +286,11 @@ def _weights_problems(draft: Path, config: dict) -> list[str]:
         return problems
     try:
         expected = expected_shapes(config)
-    except KeyError as e:
-        return [f"draft/config.json lacks {e}"]
-    for name, shape in expected.items():
+    except (KeyError, ValueError, TypeError) as e:
+        return [
+            f"draft/config.json does not describe a model transformers can build: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ]
+    for name, shape in sorted(expected.items()):
         base = name.removesuffix(".weight")
         if name in tensors:
             if tensors[name][1] != shape:

@@ -147,6 +147,21 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
         ) from None
 
 
+def check_family(path: Path) -> None:
+    """Refuse, from config.json alone, a target whose architecture or settings the runtime does not implement:
+    every stage that runs the target (teacher, distill, evaluate) and `draftsmith serve` run it in draftsmith's
+    own model code."""
+    from draftsmith.serve.model import SUPPORTED_MODEL_TYPES, ModelArgs, UnsupportedModelError
+
+    try:
+        ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+    except UnsupportedModelError as e:
+        raise TargetError(
+            f"{path}: {e}. draftsmith runs targets in its own model code, which implements {', '.join(SUPPORTED_MODEL_TYPES)}; "
+            "choose a target of one of those families (their fine-tunes and GGUF conversions included)"
+        ) from None
+
+
 def describe_target(path: Path) -> dict[str, Any]:
     """The target reference that downstream stages and the bundle read."""
     config = json.loads((path / "config.json").read_text())
@@ -177,6 +192,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     from draftsmith.serve.weights import check_fits
 
     path = resolve_target_dir(cfg.target)
+    check_family(path)  # before the weights are hashed (minutes for an 8B target) or any other stage runs
     device = pick_device(cfg.device.value)
     # before any stage loads it: whole, or split across a torchrun launch's processes by the teacher stage
     shards = process_rank()[1] if cfg.distill.teacher.tensor_parallel else 1

@@ -117,25 +117,26 @@ def make_ignore_portable(model_dir: Path) -> None:
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def awq_mappings(num_layers: int, ignore: Sequence[str]) -> list:
-    """AWQ's smoothing pairs of a Llama-family decoder, layer by layer (llm-compressor's default pairs,
-    by name), without the balance layers that `ignore` keeps unquantized: llm-compressor averages the
-    quantized balance layers of a pair and divides by zero when a pair has none."""
+def awq_mappings(model, architecture: str, ignore: Sequence[str]) -> list:
+    """AWQ's smoothing pairs of a decoder, layer by layer: llm-compressor's pairs for the architecture (its
+    registry: Llama's by default, Gemma's pre-feedforward norm, Phi-3's fused projections), resolved to the
+    model's module names, without the balance layers that `ignore` keeps unquantized: llm-compressor averages
+    the quantized balance layers of a pair and divides by zero when a pair has none."""
     from compressed_tensors.utils.match import match_name
     from llmcompressor.modifiers.transform.awq import AWQMapping
+    from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY, default_mappings
 
     quantized = lambda name: not any(match_name(name, pattern) for pattern in ignore)
+    names = [name for name, _ in model.named_modules()]
+    layers = sorted({m.group(0) for name in names if (m := re.match(r".*?layers\.\d+\.", name))}, key=lambda p: int(p.split(".")[-2]))
     mappings = []
-    for i in range(num_layers):
-        at = f"model.layers.{i}."
-        for smooth, balance in (
-            ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            ("self_attn.v_proj", ("self_attn.o_proj",)),
-            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-            ("mlp.up_proj", ("mlp.down_proj",)),
-        ):
-            if kept := [at + b for b in balance if quantized(at + b)]:
-                mappings.append(AWQMapping(at + smooth, kept))
+    for prefix in layers:
+        inside = [name for name in names if name.startswith(prefix)]
+        for pair in AWQ_MAPPING_REGISTRY.get(architecture, default_mappings):
+            smooth = next((name for name in inside if match_name(name, pair.smooth_layer)), None)
+            kept = [name for pattern in pair.balance_layers for name in inside if match_name(name, pattern) and quantized(name)]
+            if smooth is not None and kept:
+                mappings.append(AWQMapping(smooth, kept, pair.activation_hook_target))
     return mappings
 
 
@@ -177,7 +178,7 @@ def quantize_awq(
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=group, observer=observer)
     rounder = GPTQModifier if rounding == "gptq" else QuantizationModifier
     recipe = [
-        AWQModifier(duo_scaling=True, mappings=awq_mappings(config["num_hidden_layers"], ignore)),
+        AWQModifier(duo_scaling=True, mappings=awq_mappings(model, (config.get("architectures") or ["?"])[0], ignore)),
         rounder(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}, ignore=list(ignore)),
     ]
     oneshot(

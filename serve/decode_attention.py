@@ -51,10 +51,22 @@ def num_splits(batch: int, kv_heads: int, slots: int) -> int:
     return max(1, min(triton.cdiv(PROGRAMS, batch * kv_heads), triton.cdiv(slots, BLOCK_N) // MIN_SPLIT_BLOCKS))
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max_seq_len: int, read: Optional[Tensor] = None) -> Tensor:
-    """softmax(q k^T / sqrt(D)) v over each row's filled slots. q [B, T, H, D]; keys, values [R, H_kv, S, D]
+def decode_attention(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    slots: Tensor,
+    max_seq_len: int,
+    read: Optional[Tensor] = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    scale: float = 0.0,
+) -> Tensor:
+    """softmax(q k^T x scale) v over each row's filled slots. q [B, T, H, D]; keys, values [R, H_kv, S, D]
     (the whole cache, S = max_seq_len + 1); slots [B, T]: each query's cache slot (clamped position); read
-    [B]: the cache row of each batch row (None: row b). Returns [B, T, H, D] in q's dtype.
+    [B]: the cache row of each batch row (None: row b); window: a query at slot s sees only slots after
+    s - window (0: every slot up to s); softcap: scores become softcap x tanh(score / softcap) (Gemma 2; 0:
+    none); scale: 0 is 1 / sqrt(D). Returns [B, T, H, D] in q's dtype.
 
     With several splits (num_splits), each program attends over its part of the slots and leaves its
     normalised output and log-sum-exp in float32; a second kernel weighs the parts together."""
@@ -87,9 +99,11 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max
         *values.stride(),
         *out.stride(),
         *slots.stride(),
-        D**-0.5,
+        scale or D**-0.5,
         max_seq_len,
         chunk,
+        window,
+        softcap,
         T=T,
         G=groups,
         D=D,
@@ -97,6 +111,7 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max
         BLOCK_N=BLOCK_N,
         SPLITS=splits,
         READ_ROWS=read is not None,
+        SOFTCAP=softcap > 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 products exactly, not in tf32
         num_warps=4,
         num_stages=2,
@@ -109,16 +124,16 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, max
 if triton is not None:
     # an opaque op to torch.compile (the compiled blocks call it; inductor does not trace into triton here)
     op = torch.library.custom_op("draftsmith::decode_attention", decode_attention, mutates_args=())
-    op.register_fake(lambda q, keys, values, slots, max_seq_len, read=None: torch.empty_like(q))
+    op.register_fake(lambda q, keys, values, slots, max_seq_len, read=None, window=0, softcap=0.0, scale=0.0: torch.empty_like(q))
 
     # the kernel's pointers and strides as the launch passes them
     # fmt: off
     @triton.jit
     def _decode_attention(Q, K, V, O, Parts, Lse, Slots, Rows,
                           sqb, sqt, sqh, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, sot, soh, sod, ssb, sst,
-                          scale, max_seq_len, chunk,
-                          T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, READ_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+                          scale, max_seq_len, chunk, window, softcap,
+                          T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SPLITS: tl.constexpr, READ_ROWS: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
         # fmt: on
         b = tl.program_id(0)
         h = tl.program_id(1)  # the KV head; it serves query heads h*G .. h*G+G-1
@@ -133,6 +148,7 @@ if triton is not None:
         # a query at slot s sees slots 0..s; padding (s = max_seq_len) slot 0 only
         slot = tl.load(Slots + b * ssb + t * sst, mask=real, other=0)
         seen = tl.where(slot < max_seq_len, slot + 1, 1)  # [BLOCK_M]
+        first = tl.where((window > 0) & (slot < max_seq_len), slot - window + 1, 0)  # a sliding window's first slot
         end = 1
         for i in tl.static_range(T):  # the last slot any of the row's queries sees
             last = tl.load(Slots + b * ssb + i * sst)
@@ -147,7 +163,9 @@ if triton is not None:
             inside = n < end
             k = tl.load(k_base + n[None, :] * sks + d[:, None] * skd, mask=inside[None, :], other=0.0)  # [D, N]
             s = tl.dot(q, k, input_precision=PRECISION) * scale  # [M, N] in float32
-            s = tl.where(n[None, :] < seen[:, None], s, float("-inf"))
+            if SOFTCAP:  # softcap x tanh(s / softcap), tanh written with exp: 1 - 2 / (e^2x + 1)
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+            s = tl.where((n[None, :] < seen[:, None]) & (n[None, :] >= first[:, None]), s, float("-inf"))
             new_best = tl.maximum(best, tl.max(s, axis=1))
             safe = tl.where(new_best == float("-inf"), 0.0, new_best)  # a query that sees nothing of this part yet
             p = tl.exp(s - safe[:, None])

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from draftsmith.serve.model import Attention, CachedModel, FeedForward, ModelArgs, RMSNorm, UnsupportedModelError, rope_inv_freq
+from draftsmith.serve.model import Attention, CachedModel, FeedForward, ModelArgs, RMSNorm, UnsupportedModelError, rotary
 
 MODEL_TYPE = "eagle3"
 FORMAT = "speculators"
@@ -185,9 +185,8 @@ def ttt_mask(entries: int, step: int, device: torch.device) -> Tensor:
 
 def rope_at(args: ModelArgs, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin [B, T, 1, D] at arbitrary positions [B, T] (training has no static cache tables)."""
-    freqs = positions.float().unsqueeze(-1) * rope_inv_freq(args).to(positions.device)  # [B, T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
+    cos, sin = rotary(args.rope, args.rotary_dim, args.max_position_embeddings, positions)
+    return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
 
 
 # -- the speculators format --------------------------------------------------------------------------

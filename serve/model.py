@@ -1,9 +1,17 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM2) with a static KV cache, in plain PyTorch.
+"""The decoders draftsmith serves (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3, SmolLM2) with a
+static KV cache, in plain PyTorch.
 
 One forward takes `tokens [B, T]` at `positions [B, T]` (each row at its own offset) and returns
 `logits [B, T, V]`. Keys and values are written into the cache at those positions, and a query at
-position p attends to cache slots 0..p. Rolling a sequence back is therefore just moving its length:
-slots past the length are overwritten before anything can attend to them.
+position p attends to cache slots 0..p (a sliding-window layer: p - window + 1..p). Rolling a sequence
+back is therefore just moving its length: slots past the length are overwritten before anything can
+attend to them.
+
+The families differ in a few settings, all in ModelArgs: Qwen3 and Gemma 3 normalise each head of q and k;
+Gemma 2 and 3 scale the embeddings by sqrt(hidden), normalise with (1 + w), add norms after attention and
+after the MLP, use GELU (tanh), their own query scaling, alternate sliding-window and global layers (Gemma 3
+with another RoPE base for the sliding ones), and Gemma 2 soft-caps attention scores and logits; Phi-3 rotates
+part of each head (partial_rotary_factor) and ships fused qkv and gate_up weights.
 """
 
 from __future__ import annotations
@@ -18,11 +26,47 @@ from torch import Tensor, nn
 
 from draftsmith.serve import decode_attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+GEMMA = ("gemma2", "gemma3_text")
+Rope = tuple[tuple[str, Any], ...]  # a layer type's RoPE settings (rope_type, rope_theta and its parameters), hashable
 
 
 class UnsupportedModelError(ValueError):
     """The model's architecture or settings are outside what the runtime implements."""
+
+
+def hashable(value: Any) -> Any:
+    return tuple(hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def rope_of(cfg: dict[str, Any], layer_type: str = "full_attention") -> Rope:
+    """The RoPE settings of a layer type: transformers 5 writes them as rope_parameters (per layer type where
+    they differ, as Gemma 3's), older configs as rope_theta and rope_scaling."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if layer_type in rope or "full_attention" in rope:
+        rope = dict(rope.get(layer_type) or rope["full_attention"])
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    if layer_type == "sliding_attention" and cfg.get("rope_local_base_freq"):
+        rope, theta = {}, cfg["rope_local_base_freq"]  # Gemma 3 written before rope_parameters
+    rope_type = rope.pop("type", None) or rope.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    rope.update(rope_type=rope_type, rope_theta=float(theta))
+    if rope_type == "longrope" and "original_max_position_embeddings" not in rope:
+        rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+    return tuple(sorted((k, hashable(v)) for k, v in rope.items() if not isinstance(v, dict)))
+
+
+def layer_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global attention). layer_types where the config has them; else one
+    window for every layer (Mistral, Phi-3) when the config sets one."""
+    window = cfg.get("sliding_window")
+    if cfg.get("layer_types"):
+        return tuple(window if kind == "sliding_attention" else None for kind in cfg["layer_types"][:num_layers])
+    if cfg.get("use_sliding_window") is False:
+        return (None,) * num_layers
+    return (window,) * num_layers
 
 
 @dataclass(frozen=True)
@@ -36,15 +80,27 @@ class ModelArgs:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: tuple[tuple[str, Any], ...]  # rope_type and its parameters, hashable
+    rope: Rope  # global layers' RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    sliding_window: int | None
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before the rotary embedding
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window, None: global ("": none anywhere)
+    local_rope: Rope | None = None  # sliding layers' RoPE where it differs (Gemma 3)
+    partial_rotary: float = 1.0  # the share of each head's dimensions that rotates (Phi-3, Phi-4-mini)
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k, before the rotary embedding
+    norm_offset: float = 0.0  # Gemma: norms scale by (1 + w)
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    activation: str = "silu"  # or gelu_tanh (Gemma)
+    sandwich_norm: bool = False  # Gemma 2, 3: norms after attention and after the MLP too
+    attn_scale: float | None = None  # the query scaling (Gemma: query_pre_attn_scalar^-0.5); None: head_dim^-0.5
+    attn_softcap: float | None = None  # Gemma 2: attention scores softcap x tanh(score / softcap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
@@ -53,75 +109,153 @@ class ModelArgs:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported by draftsmith's runtime (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-        heads = cfg["num_attention_heads"]
-        # transformers 5 writes rope settings as rope_parameters; older configs as rope_theta + rope_scaling
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
-        rope["rope_type"] = rope_type
-        rope.pop("type", None)
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        gemma = model_type in GEMMA
+        activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"hidden activation {activation!r} is not supported (silu, gelu_pytorch_tanh)")
+        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        windows = layer_windows(cfg, layers)
+        local = rope_of(cfg, "sliding_attention") if any(windows) else None
+        rope = rope_of(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
+        partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor", 1.0)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
+            rope=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_window=sliding,
-            qk_norm=model_type == "qwen3",
+            windows=windows if any(windows) else (),
+            local_rope=local if local != rope else None,
+            partial_rotary=float(partial),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
+            activation="gelu_tanh" if activation == "gelu_pytorch_tanh" else "silu",
+            sandwich_norm=gemma,
+            attn_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         )
 
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
-def rope_inv_freq(args: ModelArgs) -> Tensor:
-    """Inverse frequencies [head_dim / 2], with linear or Llama-3 scaling applied."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rope = dict(args.rope_scaling)
-    if rope["rope_type"] == "linear":
-        return inv_freq / rope["factor"]
-    if rope["rope_type"] == "llama3":
-        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-        old_len = rope["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
+
+def rope_inv_freq(rope: Rope, dim: int, max_position_embeddings: int, seq_len: int | None = None) -> tuple[Tensor, float]:
+    """Inverse frequencies [dim / 2] of a RoPE and the factor on cos and sin (yarn's and longrope's
+    attention factor, 1 otherwise). seq_len: the longest sequence the tables cover (dynamic NTK scales for it;
+    within max_position_embeddings it is the default RoPE, as transformers computes it there)."""
+    r = dict(rope)
+    base, kind = r["rope_theta"], r["rope_type"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if kind == "dynamic":
+        length = max(seq_len or 0, max_position_embeddings)
+        base = base * ((r["factor"] * length / max_position_embeddings) - (r["factor"] - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base**exponents)
+    if kind == "linear":
+        return inv_freq / r["factor"], 1.0
+    if kind == "llama3":
+        return llama3_frequencies(inv_freq, r), 1.0
+    if kind == "yarn":
+        return yarn_frequencies(inv_freq, r, dim, base, max_position_embeddings)
+    return inv_freq, 1.0
+
+
+def llama3_frequencies(inv_freq: Tensor, r: dict[str, Any]) -> Tensor:
+    factor, low, high = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+    old_len = r["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def yarn_frequencies(inv_freq: Tensor, r: dict[str, Any], dim: int, base: float, max_position_embeddings: int) -> tuple[Tensor, float]:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between, and the attention factor."""
+    original = r["original_max_position_embeddings"]
+    factor = r.get("factor") or max_position_embeddings / original
+    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attention_factor = r.get("attention_factor")
+    if attention_factor is None:
+        both = r.get("mscale") and r.get("mscale_all_dim")
+        attention_factor = mscale(factor, r["mscale"]) / mscale(factor, r["mscale_all_dim"]) if both else mscale(factor)
+    correction = lambda rotations: (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+    low, high = correction(r.get("beta_fast") or 32), correction(r.get("beta_slow") or 1)
+    if r.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated, float(attention_factor)
+
+
+def rotary(rope: Rope, dim: int, max_position_embeddings: int, positions: Tensor, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin [*positions.shape, dim] (float32) at `positions`. LongRoPE: its short factors below the original
+    context, its long ones from there (per position, as vLLM; transformers switches a whole forward at once)."""
+    r = dict(rope)
+    positions = positions.float().unsqueeze(-1)
+    if r["rope_type"] == "longrope":
+        original = r["original_max_position_embeddings"]
+        factor = r.get("factor") or max_position_embeddings / original
+        scale = r.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        base_freq = 1.0 / (r["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        short, long = (base_freq / torch.tensor(r[key], dtype=torch.float32) for key in ("short_factor", "long_factor"))
+        freqs = torch.where(positions < original, positions * short.to(positions.device), positions * long.to(positions.device))
+    else:
+        inv_freq, scale = rope_inv_freq(rope, dim, max_position_embeddings, seq_len)
+        freqs = positions * inv_freq.to(positions.device)  # [..., dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def rope_tables(rope: Rope, dim: int, max_position_embeddings: int, slots: int, device, dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [slots, dim] of positions 0..slots-1, in `dtype`."""
+    cos, sin = rotary(rope, dim, max_position_embeddings, torch.arange(slots, device=device), slots)
+    return cos.to(dtype), sin.to(dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x), times w (Llama) or, offset 1, times (1 + w) in float32 (Gemma)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.ones(dim) if not offset else torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary embedding over the first cos.shape[-1] dims of each head (all of them but for partial rotary)."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned, rest = x[..., :d], x[..., d:]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, rest], dim=-1)
 
 
 class KVCache(nn.Module):
@@ -146,15 +280,16 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, in_features: int | None = None):
+    def __init__(self, args: ModelArgs, in_features: int | None = None, window: int | None = None):
         super().__init__()
-        self.args = args
+        self.args, self.window = args, window  # window: this layer's sliding window (None: global attention)
+        self.scale = args.attn_scale or args.head_dim**-0.5
         q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         # q, k, v fused; an EAGLE-3 head's first layer reads 2 x hidden_size (token embedding, hidden state)
         self.wqkv = nn.Linear(in_features or args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm else None
         self.cache: KVCache | None = None
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -168,18 +303,19 @@ class Attention(nn.Module):
         v = v.view(B, T, a.num_kv_heads, a.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """q [B, T, H, D] over keys, values [B, H_kv, S, D] with mask [B or 1, 1, T, S] -> [B, T, hidden]."""
         B, T = q.shape[:2]
-        if q.device.type == "cpu" and T > 1:
-            y = folded_attention(q.transpose(1, 2), keys, values, mask)
+        if self.args.attn_softcap:
+            y = softcapped_attention(q.transpose(1, 2), keys, values, mask, self.scale, self.args.attn_softcap)
+        elif q.device.type == "cpu" and T > 1:
+            y = folded_attention(q.transpose(1, 2), keys, values, mask, self.scale)
         else:
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.args.num_heads != self.args.num_kv_heads
-            )  # [B, H, T, D]
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+            gqa = self.args.num_heads != self.args.num_kv_heads
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # y [B, H, T, D]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x, cos, sin)
@@ -187,7 +323,9 @@ class Attention(nn.Module):
         self.cache.write(rows, slots, k, v)
         B, T = q.shape[:2]
         if USE_DECODE_ATTENTION and decode_attention.runs(q, self.args.num_kv_heads):  # decode steps on a GPU
-            y = decode_attention.op(q, self.cache.k, self.cache.v, slots, self.cache.k.shape[2] - 1, read)  # [B, T, H, D]
+            last = self.cache.k.shape[2] - 1
+            softcap = self.args.attn_softcap or 0.0
+            y = decode_attention.op(q, self.cache.k, self.cache.v, slots, last, read, self.window or 0, softcap, self.scale)  # [B, T, H, D]
             return self.wo(y.reshape(B, T, -1))
         keys, values = self.cache.read(B, read)  # [B, H_kv, S, D]
         return self.attend(q, keys, values, mask)
@@ -197,7 +335,7 @@ class Attention(nn.Module):
 USE_DECODE_ATTENTION = True
 
 
-def folded_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+def folded_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
     """torch's fused attention with each KV head's query heads folded into its query rows (the same
     products; q [B, H, T, D], keys, values [B, H_kv, S, D], mask [B or 1, 1, T, S]). On a CPU its kernel
     with enable_gqa took twice as long over 2-6 query tokens (batch 20, 161 slots: 0.35 against 0.16 ms a
@@ -206,39 +344,60 @@ def folded_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> T
     kv_heads = keys.shape[1]
     groups = H // kv_heads
     mask = mask.unsqueeze(2).expand(mask.shape[0], 1, groups, T, mask.shape[-1]).reshape(mask.shape[0], 1, groups * T, -1)
-    y = F.scaled_dot_product_attention(q.reshape(B, kv_heads, groups * T, D), keys, values, attn_mask=mask)
+    y = F.scaled_dot_product_attention(q.reshape(B, kv_heads, groups * T, D), keys, values, attn_mask=mask, scale=scale)
     return y.view(B, H, T, D)
+
+
+def softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float) -> Tensor:
+    """Attention whose scores are soft-capped before the softmax (Gemma 2), written out: q [B, H, T, D],
+    keys, values [B, H_kv, S, D], mask [B or 1, 1, T, S] -> [B, H, T, D]."""
+    B, H, T, D = q.shape
+    groups = H // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ keys.float().transpose(-1, -2)) * scale  # [B, H, T, S]
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ values.float()).to(q.dtype)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.intermediate = args.intermediate_size
+        self.intermediate, self.activation = args.intermediate_size, args.activation
         self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate, up fused
         self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.intermediate, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
+        return self.w2(act * up)
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
+        self.attention_norm, self.ffn_norm = norm(), norm()
+        self.attention = Attention(args, window=args.window(layer))
         self.feed_forward = FeedForward(args)
+        # Gemma 2 and 3 normalise each sublayer's output too, before the residual add
+        self.post_attention_norm, self.post_ffn_norm = (norm(), norm()) if args.sandwich_norm else (None, None)
+
+    @property
+    def sliding(self) -> bool:
+        return self.attention.window is not None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, rows, slots, read)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cos, sin, mask, rows, slots, read)
+        h = x + (self.post_attention_norm(a) if self.post_attention_norm is not None else a)
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (self.post_ffn_norm(f) if self.post_ffn_norm is not None else f)
 
 
 @dataclass
 class Placement:
     """Where a forward's tokens sit: cache rows and slots [B, T], rope tables [B, T, 1, D] and the
-    attention mask [B, 1, T, S] (a query at position p sees slots 0..p)."""
+    attention mask [B, 1, T, S] (a query at position p sees slots 0..p); for sliding-window layers their own
+    rope tables (where they differ) and mask (slots p - window + 1..p)."""
 
     rows: Tensor
     slots: Tensor
@@ -246,6 +405,19 @@ class Placement:
     sin: Tensor
     mask: Tensor
     read: Tensor | None  # the cache rows attended over (None: 0..B-1)
+    local_cos: Tensor | None = None
+    local_sin: Tensor | None = None
+    local_mask: Tensor | None = None
+
+    def of(self, block: "Block") -> tuple[Tensor, Tensor, Tensor]:
+        """cos, sin and mask of a block's layer."""
+        if not block.sliding:
+            return self.cos, self.sin, self.mask
+        return (
+            (self.cos if self.local_cos is None else self.local_cos),
+            (self.sin if self.local_sin is None else self.local_sin),
+            self.local_mask,
+        )
 
 
 @dataclass
@@ -258,6 +430,8 @@ class CacheState:
     slot_ids: Tensor
     max_batch_size: int
     max_seq_len: int
+    local_cos: Tensor | None = None  # sliding layers' tables where their RoPE differs (Gemma 3)
+    local_sin: Tensor | None = None
 
 
 class CachedModel(nn.Module):
@@ -280,28 +454,13 @@ class CachedModel(nn.Module):
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> "CacheState":
         """Allocate the static KV cache and put it in use. One spare slot takes the writes of padding positions."""
-        if self.args.sliding_window is not None and max_seq_len > self.args.sliding_window:
-            raise UnsupportedModelError(
-                f"max_seq_len {max_seq_len} exceeds the model's sliding window "
-                f"{self.args.sliding_window}, which the runtime does not implement"
-            )
-        weight = next(self.parameters())
+        weight, a = next(self.parameters()), self.args
         slots = max_seq_len + 1
-        caches = [
-            KVCache(max_batch_size, self.args.num_kv_heads, slots, self.args.head_dim, weight.dtype, weight.device)
-            for _ in self.attention_layers()
-        ]
-        inv_freq = rope_inv_freq(self.args).to(weight.device)
-        freqs = torch.outer(torch.arange(slots, device=weight.device, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
-        state = CacheState(
-            caches,
-            emb.cos().to(weight.dtype),
-            emb.sin().to(weight.dtype),
-            torch.arange(slots, device=weight.device),
-            max_batch_size,
-            max_seq_len,
-        )
+        caches = [KVCache(max_batch_size, a.num_kv_heads, slots, a.head_dim, weight.dtype, weight.device) for _ in self.attention_layers()]
+        tables = lambda rope: rope_tables(rope, a.rotary_dim, a.max_position_embeddings, slots, weight.device, weight.dtype)
+        cos, sin = tables(a.rope)
+        local = tables(a.local_rope) if a.local_rope is not None else (None, None)
+        state = CacheState(caches, cos, sin, torch.arange(slots, device=weight.device), max_batch_size, max_seq_len, *local)
         self.use_cache(state)
         return state
 
@@ -323,11 +482,17 @@ class CachedModel(nn.Module):
         B, T = positions.shape
         slots = positions.clamp(max=self.max_seq_len)  # padding writes land in the spare slot
         row_ids = torch.arange(B, device=positions.device) if cache_rows is None else cache_rows
-        mask = self.slot_ids.view(1, 1, 1, -1) <= slots.view(B, 1, T, 1)  # [B, 1, T, S]
-        mask = mask & (self.slot_ids.view(1, 1, 1, -1) < self.max_seq_len)
-        return Placement(
+        ids = self.slot_ids.view(1, 1, 1, -1)
+        mask = (ids <= slots.view(B, 1, T, 1)) & (ids < self.max_seq_len)  # [B, 1, T, S]
+        at = Placement(
             row_ids.unsqueeze(1).expand(B, T), slots, self.rope_cos[slots].unsqueeze(2), self.rope_sin[slots].unsqueeze(2), mask, cache_rows
         )
+        if window := next((w for w in self.args.windows if w), None):  # sliding layers: the last `window` slots only
+            at.local_mask = mask & (ids > (slots - window).view(B, 1, T, 1))
+            if self.cache_state.local_cos is not None:
+                at.local_cos = self.cache_state.local_cos[slots].unsqueeze(2)
+                at.local_sin = self.cache_state.local_sin[slots].unsqueeze(2)
+        return at
 
 
 class Transformer(CachedModel):
@@ -335,8 +500,8 @@ class Transformer(CachedModel):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
         self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -348,7 +513,8 @@ class Transformer(CachedModel):
 
     def compile_blocks(self) -> None:
         """Fuse each block's many small kernels with torch.compile. Every layer runs the same compiled
-        code (one compile per input shape), so compiling costs seconds, not a whole-model trace."""
+        code (one compile per input shape, and per kind of layer), so compiling costs seconds, not a
+        whole-model trace."""
         import torch._dynamo
 
         # one compile per (batch, tokens) shape: continuous batching uses a few buckets x (K + 1) shapes
@@ -360,6 +526,11 @@ class Transformer(CachedModel):
         forward then returns [B, T, V'] in this order."""
         self.vocab = token_ids.to(self.output.weight.device)
         self.vocab_head = self.output.weight[self.vocab].clone()  # [V', hidden]
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The token embeddings [B, T, hidden] the first layer reads (Gemma: times sqrt(hidden), in their dtype)."""
+        x = self.tok_embeddings(tokens)
+        return x if self.args.embed_scale is None else x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
 
     def forward(
         self,
@@ -376,17 +547,19 @@ class Transformer(CachedModel):
         # hidden_layers: also return the hidden states entering these layers, concatenated [B, T, n * hidden]
         # (what an EAGLE-3 head reads; vLLM's aux hidden state layer ids mean the same)
         at = self.place(positions, cache_rows)
-        x = self.tok_embeddings(tokens)  # [B, T, hidden]
+        x = self.embed(tokens)  # [B, T, hidden]
         run = self.fused_block if fused and self.fused_block is not None else _run_block
         entering = {}
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 entering[i] = x
-            x = run(layer, x, at.cos, at.sin, at.mask, at.rows, at.slots, at.read)
+            x = run(layer, x, *at.of(layer), at.rows, at.slots, at.read)
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, T', hidden]
         x = self.norm(x)
         logits = self.output(x) if self.vocab is None else F.linear(x, self.vocab_head)  # [B, T or T', V or V']
+        if self.args.final_softcap:
+            logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return (logits, torch.cat([entering[i] for i in hidden_layers], dim=-1)) if hidden_layers else logits
 
 

@@ -76,6 +76,14 @@ def check_fits(path: str | Path, dtype: torch.dtype, device: str | torch.device,
         )
 
 
+def fused(take, prefix: str, parts: tuple[str, ...], fused_name: str, suffix: str = "weight") -> Tensor:
+    """A fused projection: stored fused (Phi-3's qkv_proj, gate_up_proj) or as its parts, concatenated."""
+    try:
+        return take(f"{prefix}{fused_name}.{suffix}")
+    except WeightsError:
+        return torch.cat([take(f"{prefix}{part}.{suffix}") for part in parts])
+
+
 def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     """Rename HF tensors to the runtime's and fuse q/k/v and gate/up projections."""
 
@@ -89,23 +97,29 @@ def to_runtime_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor
     state["output.weight"] = (
         hf.get("lm_head.weight", state["tok_embeddings.weight"]) if args.tie_word_embeddings else take("lm_head.weight")
     )
+    # Gemma: post_attention_layernorm is the attention output's norm, pre_feedforward_layernorm the MLP's input's
+    norms = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    if args.sandwich_norm:
+        norms.update(
+            ffn_norm="pre_feedforward_layernorm", post_attention_norm="post_attention_layernorm", post_ffn_norm="post_feedforward_layernorm"
+        )
+    qkv, gate_up = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")
     for i in range(args.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
-        state[q + "attention_norm.weight"] = take(p + "input_layernorm.weight")
-        state[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        state[q + "attention.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        state.update({f"{q}{ours}.weight": take(f"{p}{theirs}.weight") for ours, theirs in norms.items()})
+        state[q + "attention.wqkv.weight"] = fused(take, p, qkv, "self_attn.qkv_proj")
         if args.qkv_bias:
-            state[q + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            state[q + "attention.wqkv.bias"] = fused(take, p, qkv, "self_attn.qkv_proj", "bias")
         state[q + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
         if args.qk_norm:
             state[q + "attention.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
             state[q + "attention.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
         if args.o_bias:
             state[q + "attention.wo.bias"] = take(p + "self_attn.o_proj.bias")
-        state[q + "feed_forward.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        state[q + "feed_forward.w13.weight"] = fused(take, p, gate_up, "mlp.gate_up_proj")
         state[q + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
         if args.mlp_bias:
-            state[q + "feed_forward.w13.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+            state[q + "feed_forward.w13.bias"] = fused(take, p, gate_up, "mlp.gate_up_proj", "bias")
             state[q + "feed_forward.w2.bias"] = take(p + "mlp.down_proj.bias")
     return state
 

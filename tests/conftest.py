@@ -14,11 +14,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker (and per pipe
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "smollm2")
 
 
 def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -45,12 +45,34 @@ def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
                 "original_max_position_embeddings": 64,
             },
         )
-    if family == "qwen2":  # q/k/v bias, tied head
-        return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    if family == "qwen2":  # q/k/v bias, tied head, YaRN RoPE (the long-context config)
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1000000.0}
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters=yarn)
     if family == "qwen3":  # q/k RMSNorm per head, an explicit head_dim other than hidden / heads, tied head
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)
-    if family == "mistral":
-        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=4096)
+    if family == "mistral":  # a sliding window smaller than the tests' contexts
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=16)
+    gemma = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True)
+    if family == "gemma2":  # sliding and global layers in turn, soft-capped attention scores and logits
+        return Gemma2Config(**common, **gemma, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    if family == "gemma3":  # q/k norms, sliding layers with a RoPE base of their own, a global layer last
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        }
+        types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+        return Gemma3TextConfig(**common, **gemma, rope_parameters=rope, layer_types=types)
+    if family == "phi3":  # half of each head rotates, LongRoPE factors, fused weights in the checkpoint
+        rotary = 8  # head_dim 16 x partial_rotary_factor 0.5: 4 frequencies
+        longrope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5, 2.0, 3.0][: rotary // 2],
+            "long_factor": [2.0, 4.0, 8.0, 16.0][: rotary // 2],
+            "original_max_position_embeddings": 256,
+        }
+        return Phi3Config(**common, tie_word_embeddings=False, rope_parameters=longrope, original_max_position_embeddings=256)
     if family == "smollm2":  # SmolLM2's shape in miniature: tied, 3:1 GQA, head_dim 16
         return LlamaConfig(
             **{**common, "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96},

@@ -12,7 +12,7 @@ from draftsmith.serve.engine import Engine
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Request, Scheduler
 from draftsmith.serve.weights import load_model
-from tests.conftest import save_tiny_head
+from tests.conftest import FAMILIES, save_tiny_head
 from tests.test_speculative import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -123,16 +123,19 @@ def test_graphed_engines_over_the_same_models_run_in_turns(tiny_models, kind, he
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, splits, monkeypatch):
+@pytest.mark.parametrize("family", ["smollm2", "mistral", "gemma2", "gemma3"])
+def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, splits, family, monkeypatch):
     # the target's logits over 1, 3 and 6 tokens a row after 40-token prompts in cache rows 2, 0, 3, with
     # the triton kernel (its 97 slots in 1 or 2 parts) and with torch's attention; a fourth, padding row
-    # (positions past the cache's end) sees less with the kernel, and only has to stay finite
+    # (positions past the cache's end) sees less with the kernel, and only has to stay finite. Mistral and
+    # Gemma: sliding windows (16, 8) shorter than the prompts; Gemma 2 soft-caps its scores; Gemma scales q
     from draftsmith.serve import decode_attention, model
 
-    assert decode_attention.runs(torch.zeros(4, 6, 6, 16, dtype=dtype, device="cuda"), 2)  # these shapes take it
     monkeypatch.setattr(decode_attention, "MIN_SPLIT_BLOCKS", 4 if splits == 1 else 1)
     assert decode_attention.num_splits(4, 2, 97) == splits
-    target = load_model(tiny_models["smollm2"][0], dtype, "cuda")
+    target = load_model(tiny_models[family][0], dtype, "cuda")
+    heads = target.args.num_heads
+    assert decode_attention.runs(torch.zeros(4, 6, heads, target.args.head_dim, dtype=dtype, device="cuda"), 2)  # they take it
     target.setup_cache(4, 96)
     g = torch.Generator().manual_seed(0)
     rows = torch.tensor([2, 0, 3, 1], device="cuda")
@@ -153,3 +156,20 @@ def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, spl
         scale = torch_attention[:3].abs().max()
         assert (kernel[:3] - torch_attention[:3]).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * scale
         assert kernel[3].isfinite().all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_decodes_speculatively_as_plainly_under_graphs_and_compile(tiny_models, family):
+    # compiled blocks, whole-step graphs and the decode kernel (sliding windows, soft-capping, partial rotary,
+    # q/k norms): greedy speculative output equals plain greedy output of the same compiled model, and both
+    # equal eager decoding (torch's attention) on most prompts (float32 rounding differs between them)
+    target_dir, draft_dir = tiny_models[family]
+    prompts = random_prompts(12, 97, seed=5)
+    params = SamplingParams(max_new_tokens=24)
+    target, draft = load_model(target_dir, torch.float32, "cuda"), load_model(draft_dir, torch.float32, "cuda")
+    compiled = Engine(target, draft, max_batch_size=4, max_seq_len=96, compile_blocks=True)
+    plain = outputs(compiled, prompts, 0, 4, params)
+    for k in (1, 3):
+        assert outputs(compiled, prompts, k, 4, params) == plain, f"{family}, K={k}"
+    eager = Engine(target, draft, max_batch_size=4, max_seq_len=96, cuda_graphs=False, compile_blocks=False)
+    assert sum(a == b for a, b in zip(outputs(eager, prompts, 0, 4, params), plain)) >= 10

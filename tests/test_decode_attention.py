@@ -16,14 +16,20 @@ CHECK = textwrap.dedent("""
     import torch.nn.functional as F
     from draftsmith.serve import decode_attention as kernel
 
-    def reference(q, keys, values, slots, max_seq_len, read):
+    def reference(q, keys, values, slots, max_seq_len, read, window=0, softcap=0.0, scale=None):
         B, T = slots.shape
         rows = read if read is not None else torch.arange(B)
         ids = torch.arange(keys.shape[2])
         seen = torch.where(slots < max_seq_len, slots, 0)  # padding queries: slot 0 only
         mask = ids.view(1, 1, 1, -1) <= seen.view(B, 1, T, 1)
-        return F.scaled_dot_product_attention(q.transpose(1, 2), keys[rows], values[rows], attn_mask=mask,
-                                              enable_gqa=True).transpose(1, 2)
+        if window:  # a sliding window: the last `window` slots up to the query's own
+            mask &= (ids.view(1, 1, 1, -1) > (seen - window).view(B, 1, T, 1)) | (slots >= max_seq_len).view(B, 1, T, 1)
+        groups = q.shape[2] // keys.shape[1]
+        k, v = keys[rows].repeat_interleave(groups, 1), values[rows].repeat_interleave(groups, 1)
+        scores = (q.transpose(1, 2) @ k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(1, 2)
 
     torch.manual_seed(0)
     max_seq_len, heads, kv_heads, head_dim = 150, 6, 2, 16
@@ -42,9 +48,12 @@ CHECK = textwrap.dedent("""
             slots = torch.tensor([[min(s + t, max_seq_len) for t in range(T)] for s in starts])
             q = torch.randn(len(starts), T, heads, head_dim)
             for read in (None, torch.tensor([4, 0, 2, 1, 3])):
-                out = kernel.decode_attention(q, keys, values, slots, max_seq_len, read)
-                assert out.shape == q.shape and out.dtype == q.dtype and out.isfinite().all()
-                worst = max(worst, (out - reference(q, keys, values, slots, max_seq_len, read)).abs().max().item())
+                # as it is, and as Gemma attends: a sliding window (across a block's edge), soft-capped scores, a scale
+                for options in ({}, {"window": 70, "softcap": 2.0, "scale": 0.4}):
+                    out = kernel.decode_attention(q, keys, values, slots, max_seq_len, read, **options)
+                    assert out.shape == q.shape and out.dtype == q.dtype and out.isfinite().all()
+                    expected = reference(q, keys, values, slots, max_seq_len, read, **options)
+                    worst = max(worst, (out - expected).abs().max().item())
     print(worst)
 """)
 

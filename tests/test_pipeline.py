@@ -187,3 +187,26 @@ def test_the_sweep_table_ranks_jobs_by_measured_speed_and_failed_jobs_last(tmp_p
     assert [row.split()[1] for row in rows] == ["draft.num_layers=6", "draft.num_layers=2", "draft.num_layers=4"]
     assert "quantize.ignore=[lm_head]" in rows[0]  # an override is shown as written, not read as markup
     assert "failed" in rows[2] and "preset=gpu" not in "".join(rows)  # the overrides every job shares are not repeated
+
+
+def test_an_unsupported_family_is_refused_at_the_target_stage_before_its_weights_are_read(tiny_chat_target, tmp_path):
+    import shutil
+
+    target = tmp_path / "gpt-neox"
+    shutil.copytree(tiny_chat_target, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
+    (target / "model.safetensors").unlink()
+    (target / "model.safetensors").symlink_to(tmp_path / "nowhere")  # hashing it would fail with another error
+    done = draftsmith_run(
+        "experiment=t",
+        "target=hf",
+        f"target.name_or_path={target}",
+        f"paths.root={tmp_path / 'runs'}",
+        "tracking.enabled=false",
+        *SMALL,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1 and "stage 'target' failed" in done.stdout
+    assert "model_type 'gpt_neox' is not supported" in done.stdout and "qwen3" in done.stdout and "gemma2" in done.stdout
+    assert not (tmp_path / "runs" / "data").exists()  # nothing ran after it

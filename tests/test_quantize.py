@@ -265,3 +265,39 @@ def test_portable_ignore_keeps_patterns_and_anchors_names():
         r"re:(.*\.)?layers\.1\.mlp\.down_proj$",
         r"re:(.*\.)?lm_head$",
     ]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen3"])
+def test_awq_uses_each_familys_smoothing_pairs_and_both_loaders_agree(family, demo_target_dir, tmp_path):
+    """Gemma's MLP input is its pre-feedforward norm and Phi-3's projections are fused: llm-compressor's pairs
+    for the architecture, resolved layer by layer; the W4A16 draft then loads in transformers and the runtime alike."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.quantize.awq import awq_mappings
+    from tests.conftest import save_tiny_model
+
+    target = save_tiny_model(tmp_path / "target", family, seed=4, vocab_size=49152)
+    copy_tokenizer_files(demo_target_dir, target)
+    draft = save_truncated_draft(target, tmp_path / "draft", keep_layers=2)
+    copy_tokenizer_files(demo_target_dir, draft)
+    model = AutoModelForCausalLM.from_pretrained(draft)
+    pairs = {
+        (m.smooth_layer.split(".", 3)[-1], tuple(b.split(".", 3)[-1] for b in m.balance_layers))
+        for m in awq_mappings(model, model.config.architectures[0], ["lm_head"])
+    }
+    expected = {
+        "gemma2": ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        "phi3": ("input_layernorm", ("self_attn.qkv_proj",)),
+        "qwen3": ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    }[family]
+    assert expected in pairs, pairs
+    out = tmp_path / "w4a16"
+    quantize_awq(draft, target, out, calibration(8, 32), bits=4, group_size=None, ignore=["lm_head"])
+    tokens = torch.randint(3, 49152, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        implementation = {"attn_implementation": "eager"} if family == "gemma2" else {}
+        reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **implementation).eval()(tokens).logits
+        ours = load_model(out, torch.float32)
+        ours.setup_cache(max_batch_size=2, max_seq_len=32)
+        runtime = ours(tokens, torch.arange(16).expand(2, 16))
+    assert (runtime - reference).abs().max().item() < 1e-3 * reference.abs().max().item() + 1e-3

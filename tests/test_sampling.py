@@ -180,3 +180,33 @@ def test_greedy_is_argmax_with_the_first_of_equal_maxima():
     for dtype in (torch.bfloat16, torch.float32):
         logits = torch.randint(0, 3, (8, 3, 500)).to(dtype)
         assert torch.equal(greedy(logits), logits.argmax(-1))
+
+
+def test_speculative_sampling_matches_the_target_within_a_sliding_window(tmp_path):
+    # a window of 2: the third generated token is drawn after a sequence longer than the window, so the
+    # kernel's window (in the cache, the verification and the draft) decides what the target's distribution is
+    from transformers import MistralConfig
+
+    from tests.conftest import tiny_config
+
+    configs = {
+        name: MistralConfig(**{**tiny_config("mistral", vocab_size=VOCAB).to_dict(), "sliding_window": 2, "num_hidden_layers": layers})
+        for name, layers in (("target", 3), ("draft", 1))
+    }
+    dirs = {}
+    for seed, (name, config) in enumerate(configs.items()):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(20 + seed)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.15)
+        model.save_pretrained(tmp_path / name)
+        dirs[name] = tmp_path / name
+    joint = exact_joint(dirs["target"], 1.0, 1.0)
+    params = SamplingParams(temperature=1.0, seed=321, max_new_tokens=3)
+    tokens, stats = speculative_samples(dirs["target"], dirs["draft"], params, k=2)
+    assert 0.05 < stats.acceptance_rate < 0.95
+    assert chi_square_p(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0)) > 1e-3
