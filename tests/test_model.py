@@ -96,3 +96,28 @@ def test_the_compute_dtype_is_bf16_on_a_cpu_only_where_it_multiplies_in_bf16(mon
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
         assert engine.cpu_has_bf16() is native and engine.compute_dtype("bfloat16", "cpu") == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_equals_transformers_token_for_token(tiny_models, family):
+    # float32; prompts of different lengths batched (each row at its own offset), and one alone; 30 new tokens
+    # take every sliding window (8 and 16 slots) past its end
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.sampling import SamplingParams
+
+    target_dir, _ = tiny_models[family]
+    implementation = {"attn_implementation": "eager"} if family == "gemma2" else {}
+    reference = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, **implementation).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 12, 3, 9)]
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(prompt) :].tolist())
+    engine = Engine(load_model(target_dir, torch.float32), None, max_batch_size=4, max_seq_len=64)
+    params = SamplingParams(max_new_tokens=30)
+    assert [c.tokens for c in engine.generate(prompts, params).completions] == expected
+    assert engine.generate(prompts[1:2], params).completions[0].tokens == expected[1]

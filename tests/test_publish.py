@@ -485,3 +485,27 @@ def test_registry_commands_find_the_store_as_run_does_and_create_nothing(publish
     assert found.returncode == 0 and "draftsmith-draft" in found.stdout and "champion" in found.stdout, found.stderr
     wrong = draftsmith("registry", "list", "tracking.nope=1", cwd=elsewhere)
     assert wrong.returncode == 2 and "configuration error" in wrong.stderr
+
+
+@pytest.mark.parametrize("family,draft", [("gemma2", "from_target"), ("phi3", "from_target"), ("qwen3", "eagle3")])
+def test_the_pipeline_publishes_a_verified_bundle_for_each_family(family, draft, demo_target_dir, tmp_path):
+    # the stages run every family in the runtime's own code: teacher, distillation, AWQ (each family's smoothing
+    # pairs), evaluation and publish, whose bundle check derives the draft's tensors from its own config
+    from draftsmith.distill.tokenizer import copy_tokenizer_files
+    from tests.conftest import save_tiny_model
+
+    target = save_tiny_model(tmp_path / "target", family, seed=6, vocab_size=49152)
+    copy_tokenizer_files(demo_target_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}))
+    args = [a for a in pipeline_args(target, tmp_path / "runs") if not a.startswith("evaluate.max_speculative_tokens")]
+    done = draftsmith(
+        *args, f"draft={draft}", "draft.vocab_size=512", "evaluate.max_speculative_tokens=2", "tracking.enabled=false", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    bundle = next((tmp_path / "runs" / "publish").glob("*/bundle"))
+    spec = verify(bundle)
+    assert spec["method"] == ("eagle3" if draft == "eagle3" else "draft_model")
+    if draft == "from_target":
+        draft_config = json.loads((bundle / "draft" / "config.json").read_text())
+        assert draft_config["model_type"] == config["model_type"] and draft_config["quantization_config"]["format"] == "pack-quantized"
