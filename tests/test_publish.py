@@ -509,3 +509,22 @@ def test_the_pipeline_publishes_a_verified_bundle_for_each_family(family, draft,
     if draft == "from_target":
         draft_config = json.loads((bundle / "draft" / "config.json").read_text())
         assert draft_config["model_type"] == config["model_type"] and draft_config["quantization_config"]["format"] == "pack-quantized"
+
+
+def test_a_bundle_written_before_the_glossary_rename_still_verifies_and_serves(bundle_copy):
+    from draftsmith.pipeline.serving import load_server
+
+    report = json.loads((bundle_copy / "eval.json").read_text())
+    old = lambda row: {("alpha" if key == "acceptance_rate" else key): value for key, value in row.items()}
+    report = {
+        **report,
+        "format_version": 2,
+        "acceptance": [old(r) for r in report["acceptance"]],
+        "engine": [old(r) for r in report["engine"]],
+    }
+    (bundle_copy / "eval.json").write_text(json.dumps(report))
+    (bundle_copy / "eval_prompts.json").unlink()  # not shipped before
+    write_manifest(bundle_copy)
+    assert verify(bundle_copy)["num_speculative_tokens"] >= 1
+    server = load_server(bundle_copy, device="cpu", dtype="float32", max_model_len=64)
+    assert server.k >= 1
