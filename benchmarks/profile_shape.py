@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from profile_step import top_kernels  # beside this script
 
 from draftsmith.evaluate.bench_shapes import SHAPES, bandwidth_floor_ms, build
 from draftsmith.serve.engine import Engine
@@ -45,19 +46,6 @@ def gemv_ms(target) -> float:
     with torch.cuda.graph(graph):
         run()
     return cuda_ms(graph.replay)
-
-
-def top_kernels(run, rows: int = 15) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            run()
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=80)
 
 
 def plain_step_ms(shape: str, batch: int) -> float:

@@ -158,3 +158,21 @@ def save_tiny_head(target_dir: Path, path: Path, seed: int, vocab: list[int] | N
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     return save_head(head, path, layer_config, {"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]}, 3)
+
+
+def wait_ready(url: str, timeout: float = 300, alive=lambda: True) -> None:
+    """Poll a server's /ready until it answers 200; fail when `alive()` turns false or the time runs out."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert alive(), "the server stopped before it was ready"
+        try:
+            if httpx.get(f"{url}/ready").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{url} did not become ready in {timeout:.0f} s")

@@ -7,11 +7,9 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
+from tests.conftest import wait_ready
 from tests.test_publish import published  # noqa: F401 - the tiny pipeline's published and registered bundle
 
 README = Path(__file__).parents[1] / "README.md"
@@ -42,15 +40,7 @@ def test_the_serving_examples_run_as_written(published, tmp_path):  # noqa: F811
         serve.split() + ["--device", "cpu"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert server.poll() is None, server.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(f"http://127.0.0.1:{port}", alive=lambda: server.poll() is None)
         curl = subprocess.run(["bash", "-c", on_port(example("curl"))], capture_output=True, text=True, timeout=120)
         assert curl.returncode == 0, curl.stderr
         reply = json.loads(curl.stdout)

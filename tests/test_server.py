@@ -21,7 +21,7 @@ from draftsmith.serve.engine import Engine
 from draftsmith.serve.scheduler import PROBE_EVERY
 from draftsmith.serve.server import Server, create_app
 from draftsmith.serve.weights import load_model
-from tests.conftest import save_truncated_draft
+from tests.conftest import save_truncated_draft, wait_ready
 
 API_KEY = "sk-test"
 
@@ -52,16 +52,7 @@ def base_url(tiny_chat_target, tmp_path_factory):
     thread = threading.Thread(target=uvicorn.Server(config).run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/ready").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        pytest.fail("the server did not become ready")
+    wait_ready(url, timeout=60)
     return url
 
 
