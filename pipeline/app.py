@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -74,25 +73,8 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM (a scheduler's stop) ends a job as Ctrl-C does: work kept, resumable
 
 
-def quiet_libraries() -> None:
-    """Our own progress bars and log lines only: the libraries' bars (transformers' weight loading, datasets'
-    saving, llm-compressor's AWQ grid search: hundreds of lines in a log) and llm-compressor's warnings, which
-    say nothing our user can act on ("No accelerator available!" on a CPU), are off; our stages report what
-    those steps did."""
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    import transformers
-    from loguru import logger
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    for library in ("llmcompressor", "compressed_tensors"):
-        logger.disable(library)
-
-
 def run_job(cfg: DictConfig) -> list[StageOutput]:
     """Validate, open the job's MLflow child run, run the stages, print the summary."""
-    quiet_libraries()
     try:
         typed = validate(cfg)
     except ConfigError as e:

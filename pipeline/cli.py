@@ -26,6 +26,7 @@ def run(ctx: typer.Context) -> None:
     Examples: `draftsmith run preset=gpu`, `draftsmith run -m distill.loss=tvd,jsd`. Hydra's own options
     pass through: --cfg job, --info, -sc install=bash (tab completion of config keys for `draftsmith run`).
     """
+    quiet_libraries()  # before the libraries are imported: some read their switches at import time
     from draftsmith.pipeline import app as hydra_app
     from draftsmith.pipeline.sweep import print_summary
     from draftsmith.pipeline.tracking import close_parent_if_open
@@ -41,6 +42,22 @@ def run(ctx: typer.Context) -> None:
     finally:
         close_parent_if_open(status)
         print_summary(hydra_app.console)
+
+
+def quiet_libraries() -> None:
+    """Our own progress bars and log lines only: the libraries' bars (transformers' weight loading, datasets'
+    saving, llm-compressor's AWQ grid search: hundreds of lines in a log) and llm-compressor's log lines, which
+    say nothing our user can act on ("No accelerator available!" on a CPU, GPTQ's per-layer errors), are off;
+    the stages report what those steps did. tqdm and llm-compressor read these switches when imported."""
+    import os
+
+    for name, value in (
+        ("TQDM_DISABLE", "1"),
+        ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
+        ("LLM_COMPRESSOR_LOG_LEVEL", "ERROR"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
+    ):
+        os.environ.setdefault(name, value)
 
 
 def main() -> None:

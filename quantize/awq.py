@@ -7,8 +7,13 @@ acceptance test itself. Only the draft, whose errors cost acceptance and never c
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import re
+import sys
+import warnings
+from contextlib import contextmanager, redirect_stderr
 from importlib import metadata
 from pathlib import Path
 from typing import Sequence
@@ -20,6 +25,24 @@ GROUP_SIZES = (128, 64, 32)  # largest first: fewer scales, and vLLM's kernels p
 
 class QuantizeError(ValueError):
     """A quantization request that draftsmith refuses, with the reason and the fix."""
+
+
+@contextmanager
+def quietly():
+    """llm-compressor's and compressed-tensors' progress bars (they pass tqdm an explicit `disable`, so
+    TQDM_DISABLE does not reach them), library warnings and log records below errors kept out of the user's
+    log; what they wrote to stderr is shown only if the work inside fails."""
+    captured = io.StringIO()
+    logging.disable(logging.WARNING)  # torch's and the libraries' warnings through logging too
+    try:
+        with warnings.catch_warnings(), redirect_stderr(captured):
+            warnings.simplefilter("ignore")
+            yield
+    except BaseException:
+        sys.stderr.write(captured.getvalue()[-4000:])
+        raise
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def check_bits(bits: int) -> None:

@@ -22,7 +22,7 @@ from draftsmith.distill.tokenizer import adopt_target_tokenizer
 from draftsmith.pipeline.config import DraftKind, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
-from draftsmith.quantize.awq import quantize_awq
+from draftsmith.quantize.awq import quantize_awq, quietly
 from draftsmith.serve.device import pick_device
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -84,27 +84,28 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     device = pick_device(cfg.device.value)
     started = time.perf_counter()
     calibration = calibration_samples(rows, q.num_calibration_samples, q.calibration_max_length, cfg.seed)
-    done = quantize_awq(
-        dense_dir,
-        target_dir,
-        out / "draft",
-        calibration,
-        bits=q.bits,
-        group_size=q.group_size,
-        ignore=q.ignore,
-        calibration_dtype=q.calibration_dtype.value,
-        observer=q.observer.value,
-        rounding=q.rounding.value,
-    )
+    with quietly():  # llm-compressor's bars, warnings and log lines: the stage's metrics say what it did
+        done = quantize_awq(
+            dense_dir,
+            target_dir,
+            out / "draft",
+            calibration,
+            bits=q.bits,
+            group_size=q.group_size,
+            ignore=q.ignore,
+            calibration_dtype=q.calibration_dtype.value,
+            observer=q.observer.value,
+            rounding=q.rounding.value,
+        )
     adopt_target_tokenizer(target_dir, out / "draft")  # copies the tokenizer files and checks them again
     seconds = time.perf_counter() - started
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     eval_rows = [r for r in rows if r["split"] == "eval" and r["response_ids"]]
-    compared = compare_drafts(
-        load(target_dir), [load(dense_dir), load(out / "draft")], eval_rows, cfg.distill.batch_size, cfg.distill.max_seq_len, device
-    )
+    with quietly():  # the W4A16 draft decompresses at its first forward, with compressed-tensors' bars
+        models = load(target_dir), [load(dense_dir), load(out / "draft")]
+        compared = compare_drafts(*models, eval_rows, cfg.distill.batch_size, cfg.distill.max_seq_len, device)
     (tvd_before, tvd_after), bf16, quantized = compared["tvd"], size_mb(dense_dir, as_bf16=True), size_mb(out / "draft")
     return {
         **done,

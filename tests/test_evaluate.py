@@ -362,3 +362,11 @@ def test_an_eval_json_of_the_earlier_format_reads_in_this_formats_names(tmp_path
         {**report, "shipped": "eagle3", "acceptance": [{**r, "proposer": "eagle3"} for r in report["acceptance"]]},
     )
     assert result["min_alpha"]["value"] == 0.6 and result["passed"]
+
+
+def test_the_log_of_a_run_through_quantization_holds_our_lines_only(evaluated):
+    # llm-compressor's AWQ grid-search bars and GPTQ log lines, transformers' loading bars: none in the log
+    _, _, done = evaluated
+    log = done.stdout + done.stderr
+    assert not any(noise in log for noise in ("Grid search", "| METRIC", "it/s]", "Loading weights", "No accelerator")), log[-3000:]
+    assert "stage quantize: ran in" in log
