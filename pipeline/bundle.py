@@ -21,7 +21,8 @@ import json
 import struct
 from pathlib import Path
 
-from draftsmith.pipeline.target import IDENTITY_FILES, sha256_file
+from draftsmith.pipeline.stage import sha256_file
+from draftsmith.pipeline.target import IDENTITY_FILES
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

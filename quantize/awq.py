@@ -51,7 +51,7 @@ def check_bits(bits: int) -> None:
 
 
 def _weights_digest(model_dir: Path) -> list[str]:
-    from draftsmith.pipeline.target import sha256_file
+    from draftsmith.pipeline.stage import sha256_file
 
     return [sha256_file(file) for file in sorted(model_dir.glob("*.safetensors"))]
 
