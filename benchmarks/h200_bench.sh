@@ -10,7 +10,14 @@
 #   bash benchmarks/h200_bench.sh shapes       the draft model's depth and layer choice by measured speed (two sweeps)
 #   bash benchmarks/h200_bench.sh decode       bench decode: both drafts side by side, batch 1 and 16, greedy
 #   bash benchmarks/h200_bench.sh serve        draftsmith serve on the EAGLE-3 bundle + bench serve
-#   bash benchmarks/h200_bench.sh compare      the same bundle served in process, then its engine alone: server / engine, 3 rounds
+#   bash benchmarks/h200_bench.sh bundles      both bundle kinds of the gpu preset published at once (EAGLE-3 head: STEPS;
+#                                            W4A16 draft model: DSTEPS distillation steps, else the preset's)
+#   bash benchmarks/h200_bench.sh vllm [KINDS] vLLM 0.24 (carried, see benchmarks/vllm_site.sh) serving the newest bundle of
+#                                            each kind through its serve.sh, vLLM without speculation and draftsmith serve
+#                                            on each: vLLM's acceptance against eval.json, then bench serve at 1, 16, 64
+#                                            (KINDS: any of plain eagle3 draft_model, all by default)
+#   bash benchmarks/h200_bench.sh compare      each bundle (BUNDLES, else the newest) served in process, then its engine
+#                                            alone: server / engine, 3 rounds
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 #   bash benchmarks/h200_bench.sh profile8b    where a plain step and a verification go at the Llama-3.1-8B shape (random weights)
@@ -35,7 +42,7 @@ mkdir -p "$out"
 cli=(python3 -m draftsmith.pipeline.cli)
 limit=${LIMIT:-570}
 newest() { ls -td $1 2>/dev/null | head -1; }
-get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$port$1').read().decode())"; }
+get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:${PORT:-$port}$1').read().decode())"; }
 common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs)
 # the EAGLE-3 head: 3 more sampled responses per training prompt, 64 sequences a step, STEPS steps
 steps=${STEPS:-2000}
@@ -52,7 +59,31 @@ bundle() {
   fi
 }
 
-case "${1:?tests, train, eagle, standalone, pipeline, shapes, decode, serve, compare, batch, attention, profile8b or scale}" in
+# the newest published bundle whose speculative config has this method (eagle3, draft_model)
+bundle_of() {
+  for b in $(ls -td "$root"/runs/publish/*/bundle 2>/dev/null); do
+    if grep -q "\"method\": \"$1\"" "$b/speculative_config.json"; then echo "$b"; return; fi
+  done
+}
+# start a server (name, port, path that answers 200 once it is ready, command...) in its own process group
+up() {
+  local name=$1 p=$2 path=$3; shift 3
+  setsid "$@" > "$out/serve_$name.log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do
+    PORT=$p get "$path" >/dev/null 2>&1 && return 0
+    kill -0 $server 2>/dev/null || { tail -20 "$out/serve_$name.log"; return 1; }
+    sleep 1
+  done
+  return 1
+}
+down() { kill -- -"$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; sleep 2; }
+load() {  # name port: bench serve against it at concurrency 1, 16 and 64
+  "${cli[@]}" bench serve --url "http://127.0.0.1:$2" --concurrency 1 --concurrency 16 --concurrency 64 \
+    --duration "${DURATION:-10}" --out "$out/bench_$1.json" 2>&1 | tail -6
+}
+
+case "${1:?tests, train, eagle, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, batch, attention, profile8b or scale}" in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py tests/test_penalties.py 2>&1 | tail -15
   ;;
@@ -131,9 +162,55 @@ serve)
   "${cli[@]}" bench serve --url "http://127.0.0.1:$port" --concurrency 1 --concurrency 16 --duration 20 --out "$out/bench_serve.json"
   get /metrics | grep -E '^draftsmith.spec_decode' | head -20 || true
   ;;
+bundles)
+  limit=${LIMIT:-900}
+  "${cli[@]}" run "${common[@]}" stop_after=data 2>&1 | tail -3  # the stages both share, once
+  timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" stop_after=publish ${GATE:+evaluate.min_alpha=$GATE} > "$out/bundles_eagle3.log" 2>&1 &
+  sleep 5  # distinct run dirs
+  timeout "$limit" "${cli[@]}" run "${common[@]}" ${DSTEPS:+distill.max_steps=$DSTEPS distill.eval_every=$DSTEPS} \
+    stop_after=publish ${GATE:+evaluate.min_alpha=$GATE} > "$out/bundles_draft_model.log" 2>&1 &
+  wait
+  for kind in eagle3 draft_model; do tail -4 "$out/bundles_$kind.log"; b=$(bundle_of $kind); echo "$kind: ${b:-not published}"; done
+  ;;
+vllm)
+  site=$root/vllm-site
+  if [ ! -f "$site/.done" ]; then
+    test "$(cat "$root"/vllm/part* | sha256sum | cut -c1-64)" = "$(cat "$root/vllm/sha256")" || { echo "vllm parts incomplete"; exit 1; }
+    mkdir -p "$site"
+    cat "$root"/vllm/part* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|gz').extractall(sys.argv[1], filter='fully_trusted')" "$site"
+    touch "$site/.done"
+  fi
+  mkdir -p "$root/bin"  # `vllm` as the bundle's serve.sh calls it, on vLLM's own libraries (not ours)
+  printf '#!/bin/sh\nPYTHONPATH=%s exec python3 -m vllm.entrypoints.cli.main "$@"\n' "$site" > "$root/bin/vllm"
+  printf '#!/bin/sh\nexec python3 -m draftsmith.pipeline.cli "$@"\n' > "$root/bin/draftsmith"
+  chmod +x "$root/bin/vllm" "$root/bin/draftsmith"
+  export PATH="$root/bin:$PATH" VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried: vLLM samples with torch
+  shift
+  kinds=${*:-plain eagle3 draft_model}
+  target=$(python3 -c "import sys; from pathlib import Path; from draftsmith.pipeline.bundle import target_dir_of; print(target_dir_of(Path(sys.argv[1]), None))" "$(bundle)")
+  for kind in $kinds; do
+    if [ "$kind" = plain ]; then
+      if up vllm_plain 8101 /v1/models vllm serve "$target" --max-model-len 2048 --port 8101; then load vllm_plain 8101; fi; down
+      continue
+    fi
+    b=$(bundle_of "$kind")
+    if up "vllm_$kind" 8102 /v1/models bash "$b/serve.sh" vllm --port 8102; then
+      python3 pipeline/vllm_check.py "$b" --url http://127.0.0.1:8102 --out "$out/vllm_check_$kind.json" || true
+      load "vllm_$kind" 8102
+    fi
+    down
+    if up "draftsmith_$kind" 8103 /ready bash "$b/serve.sh" draftsmith --device cuda --port 8103 --max-batch-size 64; then
+      load "draftsmith_$kind" 8103
+    fi
+    down
+  done
+  python3 benchmarks/serving_table.py "$out"
+  ;;
 compare)
-  "${cli[@]}" bench serve --compare-engine "$(bundle)" --device cuda \
-    --concurrency 1 --concurrency 16 --duration 15 --repeats 3 --out "$out/bench_serve_compare.json"
+  for b in ${BUNDLES:-$(bundle)}; do
+    "${cli[@]}" bench serve --compare-engine "$b" --device cuda --concurrency 1 --concurrency 16 \
+      --duration "${DURATION:-15}" --repeats 3 --out "$out/bench_serve_compare_$(basename "$(dirname "$b")").json" 2>&1 | tail -8
+  done
   ;;
 batch)
   python3 benchmarks/profile_batch.py --draft "$(bundle)/draft" --cache-dir $root/cache

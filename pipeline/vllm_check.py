@@ -2,6 +2,7 @@
 the bundle's held-out prompts greedily, and its own acceptance counters are compared with eval.json.
 
     VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python pipeline/vllm_check.py BUNDLE TARGET [--tolerance 0.03] [--out FILE]
+    python3 pipeline/vllm_check.py BUNDLE --url http://HOST:PORT      (a running `vllm serve` of the bundle)
 
 `make vllm-check BUNDLE=...` runs it in a venv of its own (vLLM pins its own torch), after resolving the
 target the bundle names. It imports vLLM only, not draftsmith. vLLM runs as a user would run it:
@@ -9,7 +10,9 @@ target the bundle names. It imports vLLM only, not draftsmith. vLLM runs as a us
 token ids of eval_prompts.json with eval.json's max_new_tokens. Its counters (vllm:spec_decode_num_drafts,
 ..._num_accepted_tokens_per_pos) give acceptance by position, accepted / drafted and the mean acceptance
 length, which must agree with eval.json's row of the shipped draft at the bundle's K and T = 0 within
-the tolerance, position by position.
+the tolerance, position by position. With --url, the same prompts go to a running `vllm serve` of the bundle
+(the bundle's serve.sh) as /v1/completions requests, at most as many at once as the K checked allows, and the
+counters are the difference of its /metrics before and after.
 
 Exit 0: vLLM loaded and decoded the bundle and agrees; 1: vLLM refused the bundle (its own message follows)
 or its acceptance disagrees (both numbers follow); 2: the bundle lacks what the check needs, or usage.
@@ -140,17 +143,62 @@ def run_vllm(
     return spec_counters(llm.get_metrics()), time.perf_counter() - started
 
 
-def check(bundle: Path, target: str, tolerance: float) -> dict:
+SERVED_COUNTER = re.compile(r"^vllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens(?:_per_pos)?)_total\{([^}]*)\} (\S+)$")
+
+
+def served_counters(url: str) -> dict:
+    """vLLM's speculative-decoding counters from a server's /metrics (Prometheus text), summed over engines."""
+    from urllib.request import urlopen
+
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "per_position": {}}
+    for line in urlopen(f"{url}/metrics", timeout=30).read().decode().splitlines():
+        if found := SERVED_COUNTER.match(line):
+            name, labels, value = found.group(1), found.group(2), float(found.group(3))
+            if name == "num_accepted_tokens_per_pos":
+                position = int(re.search(r'position="(\d+)"', labels).group(1))
+                out["per_position"][position] = out["per_position"].get(position, 0) + value
+            else:
+                out[name] += value
+    out["per_position"] = [out["per_position"][i] for i in sorted(out["per_position"])]
+    return out
+
+
+def run_served(url: str, prompts: list[list[int]], max_new_tokens: int, at_once: int | None) -> tuple[dict, float]:
+    """The prompts through a running vLLM server, greedy, at most `at_once` in flight; the counters it added."""
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.request import Request, urlopen
+
+    model = json.loads(urlopen(f"{url}/v1/models", timeout=30).read())["data"][0]["id"]
+
+    def complete(ids: list[int]) -> None:
+        body = {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0.0}
+        urlopen(Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}), timeout=600).read()
+
+    before, started = served_counters(url), time.perf_counter()
+    with ThreadPoolExecutor(at_once or 64) as pool:
+        list(pool.map(complete, prompts))
+    after = served_counters(url)
+    counters = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    earlier = before["per_position"] + [0] * (len(after["per_position"]) - len(before["per_position"]))
+    counters["per_position"] = [a - b for a, b in zip(after["per_position"], earlier)]
+    return counters, time.perf_counter() - started
+
+
+def check(bundle: Path, target: str | None, tolerance: float, url: str | None = None) -> dict:
     spec = read(bundle, "speculative_config.json")
     report = read(bundle, "eval.json")
     prompts = read(bundle, PROMPTS)
     max_num_seqs, k, schedule = batch_and_k(spec)
     expected = expected_row(report, k)
     spec = {**spec, "model": str(bundle / "draft")}  # the bundle's own draft, wherever the bundle is now
-    dtype, why = dtype_of(bundle / "draft", report)
-    counters, seconds = run_vllm(
-        target, spec, prompts["prompt_token_ids"], prompts["max_new_tokens"], max_model_len(bundle), dtype, max_num_seqs
-    )
+    if url:
+        dtype, why = "the server's", "the server's dtype"
+        counters, seconds = run_served(url.rstrip("/"), prompts["prompt_token_ids"], prompts["max_new_tokens"], max_num_seqs)
+    else:
+        dtype, why = dtype_of(bundle / "draft", report)
+        counters, seconds = run_vllm(
+            target, spec, prompts["prompt_token_ids"], prompts["max_new_tokens"], max_model_len(bundle), dtype, max_num_seqs
+        )
     counters["per_position"] = counters["per_position"][:k]  # vLLM counts positions up to its K at start-up
     measured = derived(counters)
     return {
@@ -188,19 +236,22 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("bundle", type=Path)
-    parser.add_argument("target", help="the target's dir (or hub id) that the bundle speculates for")
+    parser.add_argument("target", nargs="?", help="the target's dir (or hub id) that the bundle speculates for")
+    parser.add_argument("--url", help="check a running `vllm serve` of the bundle instead of loading it here")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="per-position acceptance difference allowed")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     args = parser.parse_args(argv)
     bundle = args.bundle.resolve()
+    if not args.url and not args.target:
+        parser.error("give the target, or --url of a running vLLM server")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its errors reach us whole
     try:
-        import vllm  # noqa: F401
+        version = "at " + args.url if args.url else __import__("vllm").__version__
     except ImportError as e:
         print(f"vLLM does not import here ({e}): make vllm-check installs it in .venv-vllm", file=sys.stderr)
         return 2
     try:
-        result = check(bundle, args.target, args.tolerance)
+        result = check(bundle, args.target, args.tolerance, args.url)
     except Unusable as e:
         print(f"vllm-check: {e}", file=sys.stderr)
         return 2
@@ -211,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=2))
     verdict = "disagrees with eval.json" if result["disagreements"] else "agrees with eval.json"
     print(
-        f"vLLM {vllm.__version__} loaded and decoded the bundle {bundle} (method {result['method']}, "
+        f"vLLM {version} loaded and decoded the bundle {bundle} (method {result['method']}, "
         f"{result['seconds']:.0f} s); its acceptance {verdict}\n{table(result)}"
     )
     for line in result["disagreements"]:

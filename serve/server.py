@@ -103,14 +103,45 @@ class Server:
         """Queue a request on the scheduler; its tokens lists and then ("done", its Completion or exception)
         arrive on `updates` as (index, item): the choices of one API request share a queue. EngineError for
         a request the engine cannot take."""
-        loop = asyncio.get_running_loop()
-        put = lambda item: loop.call_soon_threadsafe(updates.put_nowait, (index, item))
+        mailbox = Mailbox.of(asyncio.get_running_loop())
+        put = lambda item: mailbox.post(updates, (index, item))
         request = EngineRequest(ids, params, on_tokens=put, on_done=lambda result: put(("done", result)))
         self.scheduler.submit(request)
         return request
 
     def text_of(self, completion) -> str:
         return completion.text if completion.text is not None else self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+
+
+class Mailbox:
+    """What the engine thread hands to one event loop's queues, delivered in one wake-up of the loop per batch:
+    a step hands tokens to every running row, and a wake-up each (a write to the loop's self-pipe and a
+    switch of the interpreter lock) would cost the engine thread more than its step's own work at
+    concurrency 16 and a small K."""
+
+    _of: dict[asyncio.AbstractEventLoop, "Mailbox"] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.lock = loop, [], threading.Lock()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "Mailbox":
+        if loop not in cls._of:
+            cls._of = {other: box for other, box in cls._of.items() if not other.is_closed()} | {loop: cls(loop)}
+        return cls._of[loop]
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            wake = len(self.items) == 1  # a delivery is already due otherwise; it takes this item too
+        if wake and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 def create_app(server: Server, api_key: str | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:

@@ -66,3 +66,44 @@ def test_a_k_schedule_is_checked_at_the_k_of_its_first_range():
     assert batch_and_k(spec)[:2] == (15, 3)  # at most 15 requests at once: every step at K=3
     with pytest.raises(Unusable, match="turns speculation off from batch size 1 to 3"):
         batch_and_k({"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3, 0], [4, 64, 2]]})
+
+
+def test_a_running_vllm_servers_counters_are_read_from_its_metrics_page():
+    """`--url`: the counters of `vllm serve`'s /metrics (Prometheus text, as vLLM 0.24 writes it), summed over
+    engines, positions in order whatever order the lines come in."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from draftsmith.pipeline.vllm_check import served_counters
+
+    page = "\n".join(
+        [
+            "# TYPE vllm:spec_decode_num_drafts_total counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 600.0',
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="t"} 400.0',
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 2000.0',
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 763.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="1"} 289.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="0"} 474.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="t",position="0"} 1.7e9',
+            'vllm:generation_tokens_total{engine="0",model_name="t"} 5000.0',
+        ]
+    )
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        counters = served_counters(f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert counters == {"num_drafts": 1000, "num_draft_tokens": 2000, "num_accepted_tokens": 763, "per_position": [474, 289]}
+    assert derived(counters)["acceptance_by_position"] == [0.474, 0.289]
