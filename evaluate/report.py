@@ -263,7 +263,8 @@ def markdown(report: dict) -> str:
     for name, gate in report["gates"].items():
         if isinstance(gate, dict):
             value = "n/a" if gate["value"] is None else f"{gate['value']:.4f}"
-            lines.append(f"| {name} | {gate['threshold']} | {value} | {'yes' if gate['passed'] else 'NO'} |")
+            verdict = "yes" if gate["passed"] else "NO" if gate.get("hard", True) else "no (a warning: evaluate.alpha_gate=warn)"
+            lines.append(f"| {name} | {gate['threshold']} | {value} | {verdict} |")
     return "\n".join(lines) + "\n"
 
 

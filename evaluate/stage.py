@@ -36,7 +36,7 @@ from draftsmith.serve.weights import load_model
 
 PROMPT_LOOKUP = "prompt_lookup"
 EVAL_PROMPTS = "eval_prompts.json"  # the held-out prompts' token ids, shipped in the bundle
-GATE_KEYS = ("evaluate.min_alpha", "evaluate.max_tau_loss", "evaluate.min_speedup")  # judged after the stage
+GATE_KEYS = ("evaluate.min_alpha", "evaluate.alpha_gate", "evaluate.max_tau_loss", "evaluate.min_speedup")  # judged after the stage
 log = logging.getLogger("draftsmith")
 
 
@@ -70,7 +70,9 @@ def gates(e: EvaluateConfig, report: dict) -> dict:
     """The gates on a report, against the configured thresholds (which are not part of the measurement,
     so changing them re-runs no evaluation): the shipped draft's alpha (K = 1, T = 0; the acceptance rate
     falls with K, so a gate on it would refuse the longer K that measured faster), and, when it is
-    quantized, its tau loss against bf16 at the chosen K and T = 0."""
+    quantized, its tau loss against bf16 at the chosen K and T = 0. The alpha gate holds a draft back only as
+    a hard gate (evaluate.alpha_gate=hard); by default a draft below it is published with a warning, since what
+    users feel is its measured speed. "passed": every hard gate passed; "warnings": the soft ones that did not."""
     shipped, k = report["shipped"], report["num_speculative_tokens"]
     alpha = reports.rows_of(report, shipped, 0.0)[1]["acceptance_rate"]
     result: dict[str, Any] = {
@@ -78,6 +80,7 @@ def gates(e: EvaluateConfig, report: dict) -> dict:
             "threshold": e.min_alpha,
             "value": alpha,
             "passed": alpha >= e.min_alpha,
+            "hard": e.alpha_gate == "hard",
             "what": f"alpha of {shipped} (a draft kept, K=1, T=0)",
         }
     }
@@ -88,12 +91,23 @@ def gates(e: EvaluateConfig, report: dict) -> dict:
             "threshold": e.max_tau_loss,
             "value": loss,
             "passed": loss <= e.max_tau_loss,
+            "hard": True,
             "what": f"relative tau loss of the W4A16 draft against bf16 at K={k}, T=0",
         }
     else:
-        result["max_tau_loss"] = {"threshold": e.max_tau_loss, "value": None, "passed": True, "what": "no quantized draft"}
-    result["passed"] = all(g["passed"] for g in result.values())
+        result["max_tau_loss"] = {"threshold": e.max_tau_loss, "value": None, "passed": True, "hard": True, "what": "no quantized draft"}
+    result["warnings"] = [name for name, g in result.items() if not g["passed"] and not g["hard"]]
+    result["passed"] = all(g["passed"] or not g["hard"] for name, g in result.items() if name != "warnings")
     return result
+
+
+def gate_failures(gate: dict, hard: bool) -> list[str]:
+    """The gates that did not pass, hard or soft ones, each with its value and threshold."""
+    return [
+        f"{name} ({g['what']}: {g['value']:.4f} against {g['threshold']})"
+        for name, g in gate.items()
+        if isinstance(g, dict) and not g["passed"] and g["hard"] == hard
+    ]
 
 
 def with_gates(cfg: DraftsmithConfig, evaluation: StageOutput) -> dict:
@@ -310,15 +324,18 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
 
 def check_gates(cfg: DraftsmithConfig, output: StageOutput) -> None:
     gate = with_gates(cfg, output)["gates"]
-    failed = [
-        f"{name} ({g['what']}: {g['value']:.4f} against {g['threshold']})"
-        for name, g in gate.items()
-        if isinstance(g, dict) and not g["passed"]
-    ]
+    for warning in gate_failures(gate, hard=False):
+        log.warning(
+            "evaluation gate %s not met: published all the same, with a warning in the bundle's card "
+            "(evaluate.alpha_gate=hard holds such a draft back)",
+            warning,
+        )
+    failed = gate_failures(gate, hard=True)
     if failed and not cfg.publish.override_gates:
         raise GateFailed(
             "evaluation gate failed: " + "; ".join(failed) + f". Report: {output.path / 'eval.md'}. "
-            "Publishing is blocked; distil a better draft, relax evaluate.min_alpha / evaluate.max_tau_loss, "
+            "Publishing is blocked; distil a better draft, relax evaluate.min_alpha / evaluate.max_tau_loss "
+            "(or evaluate.alpha_gate=warn), "
             "or publish anyway with publish.override_gates=true"
         )
 

@@ -156,6 +156,7 @@ class EvaluateConfig:
     temperature: float = MISSING
     seed: int = MISSING
     min_alpha: float = MISSING
+    alpha_gate: str = MISSING  # warn: a draft below min_alpha is published with a warning; hard: it is not
     max_tau_loss: float = MISSING
     speed_repeats: int = MISSING  # engine runs of plain and of speculative decoding; the speedup is of the medians
     min_speedup: float = MISSING  # the registry promotes only versions measured faster than this x plain
@@ -298,6 +299,7 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     _check(e.max_speculative_tokens >= 1, "evaluate.max_speculative_tokens", "1 or more", e.max_speculative_tokens)
     _check(e.temperature > 0, "evaluate.temperature", "a positive number (T = 0 is always measured too)", e.temperature)
     _check(0.0 <= e.min_alpha <= 1.0, "evaluate.min_alpha", "a number in [0, 1]", e.min_alpha)
+    _check(e.alpha_gate in ("warn", "hard"), "evaluate.alpha_gate", "warn or hard", e.alpha_gate)
     _check(0.0 <= e.max_tau_loss <= 1.0, "evaluate.max_tau_loss", "a fraction in [0, 1]", e.max_tau_loss)
     _check(
         all(1 <= b <= 1024 for b in e.dynamic_k_batch_sizes),

@@ -59,17 +59,20 @@ def expected_row(report: dict, k: int) -> dict:
     raise Unusable(f"eval.json has no T=0 row of {report['shipped']!r} at K={k}")
 
 
-def batch_and_k(spec: dict) -> tuple[int | None, int, str]:
-    """The most requests at once (vLLM's max_num_seqs) and the K they run at: with a K-by-batch-size schedule
-    (num_speculative_tokens_per_batch_size), the batch sizes of its first range, so that every step runs at one
-    K whose acceptance eval.json has; else vLLM's default and the bundle's K."""
+def batch_and_k(spec: dict) -> tuple[int | None, int, str, dict]:
+    """The most requests at once (vLLM's max_num_seqs), the K they run at, what was chosen, and the speculative
+    config to load: with a K-by-batch-size schedule (num_speculative_tokens_per_batch_size), the batch sizes of its
+    first range, so that every step runs at one K whose acceptance eval.json has; a schedule whose first range
+    turns speculation off is left out (there is no K to compare there), and the bundle's K is checked at any batch
+    size; without one, vLLM's default batch and the bundle's K."""
     k, schedule = spec["num_speculative_tokens"], spec.get("num_speculative_tokens_per_batch_size")
     if not schedule:
-        return None, k, f"K={k} at every batch size"
+        return None, k, f"K={k} at every batch size", spec
     first, last, k_first = schedule[0]
     if k_first == 0:
-        raise Unusable(f"the schedule {schedule} turns speculation off from batch size {first} to {last}: no K to check there")
-    return last, min(k, k_first), f"the schedule {schedule} loaded; batches of at most {last} run at K={min(k, k_first)}"
+        without = {key: value for key, value in spec.items() if key != "num_speculative_tokens_per_batch_size"}
+        return None, k, f"the schedule {schedule} turns speculation off at batch sizes {first}-{last}: checked at K={k} without it", without
+    return last, min(k, k_first), f"the schedule {schedule} loaded; batches of at most {last} run at K={min(k, k_first)}", spec
 
 
 def dtype_of(draft: Path, report: dict) -> tuple[str, str]:
@@ -188,7 +191,7 @@ def check(bundle: Path, target: str | None, tolerance: float, url: str | None = 
     spec = read(bundle, "speculative_config.json")
     report = read(bundle, "eval.json")
     prompts = read(bundle, PROMPTS)
-    max_num_seqs, k, schedule = batch_and_k(spec)
+    max_num_seqs, k, schedule, spec = batch_and_k(spec)
     expected = expected_row(report, k)
     spec = {**spec, "model": str(bundle / "draft")}  # the bundle's own draft, wherever the bundle is now
     if url:

@@ -63,9 +63,11 @@ def test_a_k_schedule_is_checked_at_the_k_of_its_first_range():
 
     assert batch_and_k({"num_speculative_tokens": 3})[:2] == (None, 3)
     spec = {"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 15, 3], [16, 64, 1]]}
-    assert batch_and_k(spec)[:2] == (15, 3)  # at most 15 requests at once: every step at K=3
-    with pytest.raises(Unusable, match="turns speculation off from batch size 1 to 3"):
-        batch_and_k({"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3, 0], [4, 64, 2]]})
+    assert batch_and_k(spec)[:2] == (15, 3) and batch_and_k(spec)[3] == spec  # at most 15 at once: every step at K=3
+    # speculation off at small batches (a CPU where it never pays there): the bundle's K, without the schedule
+    off = {"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3, 0], [4, 64, 2]]}
+    at_once, k, why, loaded = batch_and_k(off)
+    assert (at_once, k, loaded) == (None, 3, {"num_speculative_tokens": 3}) and "turns speculation off at batch sizes 1-3" in why
 
 
 def test_a_running_vllm_servers_counters_are_read_from_its_metrics_page():

@@ -1,0 +1,104 @@
+"""vLLM itself on bundles of other families than Llama: a tiny random-weight target of each (the demo's tokenizer),
+the pipeline end to end, then `make vllm-check` on the bundle (vLLM's CPU build).
+
+    .venv/bin/python benchmarks/vllm_families.py [--out DIR] [qwen3:eagle3 qwen3:from_target gemma2:from_target ...]
+
+The targets are the test suite's tiny configs (tests/conftest.py) widened to a head size vLLM's CPU attention
+takes (64). Prints one line per bundle: vLLM's verdict, and its acceptance against eval.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STEPS = [
+    "experiment=families",
+    "target=hf",
+    "data.max_prompts=48",
+    "data.eval_fraction=0.25",
+    "distill.teacher.max_new_tokens=16",
+    "distill.max_steps=30",
+    "distill.eval_every=30",
+    "draft.num_layers=1",
+    "draft.vocab_size=2048",
+    "distill.batch_size=8",
+    "quantize.num_calibration_samples=8",
+    "evaluate.max_new_tokens=24",
+    "evaluate.batch_size=4",
+    "evaluate.min_alpha=0.0",
+    "evaluate.max_tau_loss=1.0",
+    "evaluate.max_speculative_tokens=2",
+    "evaluate.min_speedup=0.0",
+    "tracking.enabled=false",
+]
+
+
+def tiny_target(family: str, path: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.tokenizer import copy_tokenizer_files
+    from draftsmith.pipeline.target import convert_gguf, demo_gguf_path
+    from tests.conftest import tiny_config
+
+    config = tiny_config(family, vocab_size=49152, num_layers=4)
+    config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads = 128, 64, 2, 1
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    copy_tokenizer_files(convert_gguf(demo_gguf_path(), Path.home() / ".cache" / "draftsmith" / "targets"), path)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("jobs", nargs="*", default=["qwen3:eagle3", "qwen3:from_target", "gemma2:from_target"])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/draftsmith-vllm-families"))
+    args = parser.parse_args()
+    lines = []
+    for job in args.jobs:
+        family, draft = job.split(":")
+        work = args.out / f"{family}-{draft}"
+        target = tiny_target(family, work / "target")
+        started = time.perf_counter()
+        run = subprocess.run(
+            [
+                str(ROOT / ".venv/bin/draftsmith"),
+                "run",
+                *STEPS,
+                f"target.name_or_path={target}",
+                f"paths.root={work / 'runs'}",
+                f"draft={draft}",
+            ],
+            cwd=work,
+            capture_output=True,
+            text=True,
+        )
+        if run.returncode:
+            lines.append(f"{job}: the pipeline failed: {(run.stdout + run.stderr)[-800:]}")
+            continue
+        bundle = next((work / "runs" / "publish").glob("*/bundle"))
+        check = subprocess.run(
+            ["make", "-s", "vllm-check", f"BUNDLE={bundle}", f"TARGET={target}"], cwd=ROOT, capture_output=True, text=True
+        )
+        (work / "vllm_check.txt").write_text(check.stdout + check.stderr)
+        verdict = check.stdout.strip().splitlines() or check.stderr.strip().splitlines()[-3:]
+        lines.append(f"{job}: exit {check.returncode}, {time.perf_counter() - started:.0f} s\n    " + "\n    ".join(verdict))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
