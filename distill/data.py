@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from draftsmith.pipeline.config import DataConfig, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
+from draftsmith.serve.protocol import chat_token_ids
 
 PROMPTS_DIR = "prompts"
 
@@ -97,8 +98,7 @@ def prepare(cfg: DataConfig, target_dir: Path) -> list[dict[str, Any]]:
             skipped += 1
             continue
         key = json.dumps(messages, sort_keys=True)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = chat_token_ids(tokenizer, messages)
         rows.append(
             {
                 "id": str(record.get("id", f"record-{i}")),

@@ -26,6 +26,7 @@ import torch
 
 from draftsmith.serve.device import DTYPES
 from draftsmith.serve.engine import Engine, eos_ids_of, load_draft
+from draftsmith.serve.protocol import chat_token_ids
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Scheduler
 from draftsmith.serve.stats import SpecStats
@@ -72,8 +73,7 @@ def chat_prompts(target_dir: Path, chats: Sequence[list[dict]]) -> list[list[int
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    ids = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) for chat in chats]
-    return [list(i["input_ids"] if hasattr(i, "keys") else i) for i in ids]
+    return [chat_token_ids(tokenizer, chat) for chat in chats]
 
 
 def timed(

@@ -26,6 +26,7 @@ class BundleModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input, params: dict | None = None) -> list[str]:
         """model_input: a list of prompts (or a DataFrame with a `prompt` column); params: max_tokens, temperature, seed."""
+        from draftsmith.serve.protocol import chat_token_ids
         from draftsmith.serve.sampling import SamplingParams
 
         if hasattr(model_input, "columns"):  # a DataFrame: the `prompt` column, or the only one
@@ -37,8 +38,7 @@ class BundleModel(mlflow.pyfunc.PythonModel):
         )
         texts = []
         for prompt in prompts:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            ids = chat_token_ids(self.tokenizer, [{"role": "user", "content": prompt}])
             completion = self.engine.generate([ids], sampling, self.k).completions[0]
             texts.append(
                 completion.text if completion.text is not None else self.tokenizer.decode(completion.tokens, skip_special_tokens=True)

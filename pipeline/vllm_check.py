@@ -218,7 +218,21 @@ def check(bundle: Path, target: str | None, tolerance: float, url: str | None = 
         "eval_json": {key: expected[key] for key in ("acceptance_by_position", "acceptance_rate", "tau")},
         "tolerance": tolerance,
         "disagreements": disagreements(measured, expected, tolerance),
+        "note": vocab_note(bundle, spec),
     }
+
+
+def vocab_note(bundle: Path, spec: dict) -> str | None:
+    """Where vLLM proposes from other tokens than eval.json measured: a draft model with a reduced proposal vocabulary
+    (draft_vocab.json, draftsmith's own) proposes from its whole vocabulary in vLLM."""
+    vocab = bundle / "draft_vocab.json"
+    if spec["method"] != "draft_model" or not vocab.is_file():
+        return None
+    size = len(json.loads(vocab.read_text())["token_ids"])
+    return (
+        f"eval.json measured proposals from the {size} tokens of draft_vocab.json, as draftsmith serve makes them; vLLM's "
+        "draft_model method proposes from the draft's whole vocabulary, which can keep fewer drafts"
+    )
 
 
 def table(result: dict) -> str:
@@ -270,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in result["disagreements"]:
         print(f"  disagreement: {line}")
+    if result["note"]:
+        print(f"  note: {result['note']}")
     return 1 if result["disagreements"] else 0
 
 

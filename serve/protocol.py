@@ -196,3 +196,11 @@ def invalid_unicode(value) -> str | None:
         if (inner := invalid_unicode(item)) is not None:
             return f"{key}.{inner}".rstrip(".")
     return None
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a chat under the target's own template, ready for the assistant's turn: what the data
+    stage, the server, the benchmarks and the registered model all send, so that a template's own additions (a
+    default system prompt, as Qwen's adds when there is none) are the same everywhere."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

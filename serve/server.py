@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.metrics import Metrics
 from draftsmith.serve.middleware import BodyGuard
-from draftsmith.serve.protocol import ChatRequest, CompletionRequest
+from draftsmith.serve.protocol import ChatRequest, CompletionRequest, chat_token_ids
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Request as EngineRequest
 from draftsmith.serve.scheduler import Scheduler
@@ -95,8 +95,7 @@ class Server:
     def prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[list[int]]:
         """The token ids of each of the request's prompts (a chat is one)."""
         if isinstance(request, ChatRequest):
-            ids = self.tokenizer.apply_chat_template([m.as_dict() for m in request.messages], add_generation_prompt=True)
-            return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]
+            return [chat_token_ids(self.tokenizer, [m.as_dict() for m in request.messages])]
         return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in request.prompts()]
 
     def submit(self, ids: list[int], params: SamplingParams, updates: asyncio.Queue, index: int = 0) -> EngineRequest:

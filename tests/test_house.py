@@ -61,3 +61,15 @@ def test_the_wheel_carries_code_and_configs_only(tmp_path):
     assert not [n for n, text in texts.items() if "/root/" in text or "draftsmith-gpu" in text]
     assert any(n.startswith("draftsmith/conf/preset/") and n.endswith(".yaml") for n in names)
     assert "draftsmith/serve/monitoring/alerts.yml" in names
+
+
+def test_one_function_turns_a_chat_into_token_ids():
+    # the data stage, the server, the benchmarks and the registered model send the same ids for the same chat, a
+    # template's own additions (Qwen's default system prompt) included: only serve/protocol.py applies templates
+    callers = sorted(
+        str(path.relative_to(ROOT))
+        for package in LIBRARY
+        for path in (ROOT / package).rglob("*.py")
+        if ".apply_chat_template(" in path.read_text()
+    )
+    assert callers == ["serve/protocol.py"]

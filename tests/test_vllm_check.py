@@ -109,3 +109,14 @@ def test_a_running_vllm_servers_counters_are_read_from_its_metrics_page():
         server.shutdown()
     assert counters == {"num_drafts": 1000, "num_draft_tokens": 2000, "num_accepted_tokens": 763, "per_position": [474, 289]}
     assert derived(counters)["acceptance_by_position"] == [0.474, 0.289]
+
+
+def test_a_draft_models_reduced_vocabulary_is_named_where_vllm_proposes_from_all_of_it(tmp_path):
+    import json
+
+    from draftsmith.pipeline.vllm_check import vocab_note
+
+    assert vocab_note(tmp_path, {"method": "draft_model"}) is None
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"size": 3, "token_ids": [5, 7, 9]}))
+    assert "the 3 tokens of draft_vocab.json" in vocab_note(tmp_path, {"method": "draft_model"})
+    assert vocab_note(tmp_path, {"method": "eagle3"}) is None  # a head's vocabulary mapping travels in its checkpoint
