@@ -14,8 +14,10 @@
 #                                            W4A16 draft model: DSTEPS distillation steps, else the preset's)
 #   bash benchmarks/h200_bench.sh vllm [KINDS] vLLM 0.24 (carried, see benchmarks/vllm_site.sh) serving the newest bundle of
 #                                            each kind through its serve.sh, vLLM without speculation and draftsmith serve
-#                                            on each: vLLM's acceptance against eval.json, then bench serve at 1, 16, 64
-#                                            (KINDS: any of plain eagle3 draft_model, all by default)
+#                                            on each: vLLM's acceptance against eval.json, then a warm-up and ROUNDS (3)
+#                                            rounds of bench serve at 1, 16, 64, DURATION (10) s a level; the table gives
+#                                            medians and ranges (KINDS: any of plain eagle3 draft_model, all by default;
+#                                            one kind a call stays under the 10 minutes a call may take)
 #   bash benchmarks/h200_bench.sh compare      each bundle (BUNDLES, else the newest) served in process, then its engine
 #                                            alone: server / engine, 3 rounds
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
@@ -78,9 +80,12 @@ up() {
   return 1
 }
 down() { kill -- -"$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; sleep 2; }
-load() {  # name port: bench serve against it at concurrency 1, 16 and 64
-  "${cli[@]}" bench serve --url "http://127.0.0.1:$2" --concurrency 1 --concurrency 16 --concurrency 64 \
-    --duration "${DURATION:-10}" --out "$out/bench_$1.json" 2>&1 | tail -6
+load() {  # name port: a 3-second warm-up (not kept), then ROUNDS (3) rounds of bench serve at concurrency 1, 16 and 64
+  "${cli[@]}" bench serve --url "http://127.0.0.1:$2" --concurrency 16 --duration 3 > /dev/null 2>&1 || true
+  for r in $(seq "${ROUNDS:-3}"); do
+    "${cli[@]}" bench serve --url "http://127.0.0.1:$2" --concurrency 1 --concurrency 16 --concurrency 64 \
+      --duration "${DURATION:-10}" --out "$out/bench_$1_round$r.json" 2>&1 | tail -6
+  done
 }
 
 case "${1:?tests, train, eagle, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, batch, attention, profile8b or scale}" in
