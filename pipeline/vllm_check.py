@@ -188,16 +188,18 @@ def run_served(url: str, prompts: list[list[int]], max_new_tokens: int, at_once:
 
 
 def check(bundle: Path, target: str | None, tolerance: float, url: str | None = None) -> dict:
-    spec = read(bundle, "speculative_config.json")
+    shipped = read(bundle, "speculative_config.json")
     report = read(bundle, "eval.json")
     prompts = read(bundle, PROMPTS)
-    max_num_seqs, k, schedule, spec = batch_and_k(spec)
+    max_num_seqs, k, schedule, spec = batch_and_k(shipped)
     expected = expected_row(report, k)
-    spec = {**spec, "model": str(bundle / "draft")}  # the bundle's own draft, wherever the bundle is now
     if url:
+        if spec is not shipped:  # the schedule was left out here; the server runs with it
+            raise Unusable(f"{schedule}; a running server keeps the schedule: serve the bundle without it to check it")
         dtype, why = "the server's", "the server's dtype"
         counters, seconds = run_served(url.rstrip("/"), prompts["prompt_token_ids"], prompts["max_new_tokens"], max_num_seqs)
     else:
+        spec = {**spec, "model": str(bundle / "draft")}  # the bundle's own draft, wherever the bundle is now
         dtype, why = dtype_of(bundle / "draft", report)
         counters, seconds = run_vllm(
             target, spec, prompts["prompt_token_ids"], prompts["max_new_tokens"], max_model_len(bundle), dtype, max_num_seqs

@@ -120,3 +120,22 @@ def test_a_draft_models_reduced_vocabulary_is_named_where_vllm_proposes_from_all
     (tmp_path / "draft_vocab.json").write_text(json.dumps({"size": 3, "token_ids": [5, 7, 9]}))
     assert "the 3 tokens of draft_vocab.json" in vocab_note(tmp_path, {"method": "draft_model"})
     assert vocab_note(tmp_path, {"method": "eagle3"}) is None  # a head's vocabulary mapping travels in its checkpoint
+
+
+def test_a_running_server_with_a_schedule_that_turns_speculation_off_is_not_checked_against_it(tmp_path):
+    import json
+
+    from draftsmith.pipeline.vllm_check import check
+
+    spec = {
+        "method": "draft_model",
+        "model": "draft",
+        "num_speculative_tokens": 2,
+        "num_speculative_tokens_per_batch_size": [[1, 3, 0], [4, 64, 2]],
+    }
+    (tmp_path / "speculative_config.json").write_text(json.dumps(spec))
+    (tmp_path / "eval.json").write_text(json.dumps(REPORT))
+    (tmp_path / "eval_prompts.json").write_text(json.dumps({"prompt_token_ids": [[1, 2, 3]], "max_new_tokens": 4}))
+    # the server runs the schedule (no drafts at small batches): nothing to compare, and no request is sent
+    with pytest.raises(Unusable, match="serve the bundle without it to check it"):
+        check(tmp_path, None, 0.03, url="http://127.0.0.1:9")
