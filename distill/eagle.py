@@ -147,29 +147,44 @@ def tau_of(metrics: dict[str, float], steps: int) -> dict[str, float]:
 
 
 class EagleObjective:
-    """Training objective of an EAGLE-3 head (see the module's docstring); the target runs online."""
+    """Training objective of an EAGLE-3 head (see the module's docstring); the target runs online, its states
+    at fixed rows kept after the first forward (distill.target_states_gib)."""
 
     online = True
     packs = False  # the unrolled head's attention spans its row
 
     def __init__(self, cfg, aux_layers: tuple[int, ...], vocab: list[int], layer_config: dict, verifier: dict):
+        from draftsmith.distill.train import KeptStates
+
         self.cfg, self.aux_layers, self.layer_config, self.verifier = cfg, aux_layers, layer_config, verifier
         self.vocab = torch.tensor(vocab)
         self.loss_fn = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta)  # over the draft vocabulary
+        self.kept = KeptStates(cfg.target_states_gib * 2**30)
 
     @torch.no_grad()
     def target_outputs(self, target, batch) -> tuple[Tensor, Tensor]:
         """The target's hidden states entering the aux layers [B, S, F] and its logits over the draft
-        vocabulary [B, S, V'] at every position."""
-        out = target.model(**batch.inputs(), output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1)
+        vocabulary [B, S, V'] at every position. A kept row's states (features and final states, [S_row, F + H])
+        come from the first forward over it; its padding reads zeros, which no position that counts attends to
+        (right padding, causal attention)."""
+        parts = self.kept.rows(batch, lambda: self.row_states(target, batch))
+        states = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)  # [B, S, F + H]
+        width = states.shape[-1] - target.config.hidden_size
         self.vocab = self.vocab.to(batch.input_ids.device)
         head_rows = target.get_output_embeddings().weight[self.vocab]  # [V', hidden]
-        return features, F.linear(out.last_hidden_state, head_rows)
+        return states[..., :width], F.linear(states[..., width:], head_rows)
+
+    def row_states(self, target, batch) -> list[Tensor]:
+        """The target's forward over the batch: each row's features and final states at its own positions."""
+        out = target.model(**batch.inputs(), output_hidden_states=True)
+        states = torch.cat([*(out.hidden_states[i] for i in self.aux_layers), out.last_hidden_state], dim=-1)
+        return [states[b, :length] for b, length in enumerate(batch.attention_mask.sum(-1).tolist())]
 
     def keep_target_states(self, rows) -> None:
-        """Nothing is kept: the head reads the target's states at several layers and every position, a
-        multiple of the memory of a draft model's final states at response positions."""
+        """Keep the target's features and final states of these rows from their first forward on, every
+        position of each (distill.target_states_gib; a multiple of a draft model's final states at response
+        positions, so fewer rows fit)."""
+        self.kept.keep(rows)
 
     def loss(self, student, target, batch) -> Tensor:
         features, logits = self.target_outputs(target, batch)
@@ -182,6 +197,7 @@ class EagleObjective:
         acceptance: alpha at K = 1 and tau at K = ttt_steps."""
         from draftsmith.distill.train import collate
 
+        self.kept.keep(rows)  # the held-out split is the same at every evaluation
         totals: dict[str, float] = {}
         loss_sum = 0.0
         for i in range(0, len(rows), self.cfg.batch_size):

@@ -139,12 +139,13 @@ def predicted_logits(model, batch: Batch) -> torch.Tensor:
 
 
 class KeptStates:
-    """The target's final hidden states [n, H] at the response positions of fixed rows (the teacher data, the
-    held-out split), kept on the device from the first forward over each row: the target does not train, so a
-    row's states never change, and later batches of it run only the target's LM head. Rows are known by
-    identity and must be registered (`keep`); a batch holding any other row (an on-policy continuation) runs
-    the target. At most `budget_bytes` are kept, and on a GPU at most a quarter of the memory free at the first
-    forward (room for training's own peak); rows beyond that run the target every time."""
+    """What the target computes for fixed rows (the teacher data, the held-out split), one tensor a row, kept on
+    the device from the first forward over each row: the target does not train, so a row's states never change,
+    and later batches of it skip the target's forward. A draft model keeps the target's final hidden states at
+    the response positions [n, H]; an EAGLE-3 head its features and final states at every position. Rows are
+    known by identity and must be registered (`keep`); a batch holding any other row (an on-policy continuation)
+    runs the target. At most `budget_bytes` are kept, and on a GPU at most a quarter of the memory free at the
+    first forward (room for training's own peak); rows beyond that run the target every time."""
 
     def __init__(self, budget_bytes: float):
         self.budget, self.used = budget_bytes, 0
@@ -157,20 +158,25 @@ class KeptStates:
             self.registered.update((id(row), row) for row in rows)
 
     @torch.no_grad()
-    def hidden(self, target, batch: Batch) -> torch.Tensor:
-        """The target's final hidden states at the batch's response positions [N, H], in `labels` order."""
+    def rows(self, batch: Batch, compute: Callable[[], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The batch's states, a tensor for each row of `batch.sources`: the kept ones when every row has them,
+        else compute() (the target's forward), keeping what the budget allows."""
         keys = [id(row) for row in batch.sources]
         if keys and all(key in self.states for key in keys):
-            return torch.cat([self.states[key] for key in keys])
-        hidden = predicted_hidden(target, batch)
-        if not self.capped and hidden.is_cuda:
-            self.budget, self.capped = min(self.budget, torch.cuda.mem_get_info(hidden.device)[0] / 4), True
-        for key, part in zip(keys, hidden.split(list(batch.counts))):
+            return [self.states[key] for key in keys]
+        parts = list(compute())
+        if not self.capped and parts and parts[0].is_cuda:
+            self.budget, self.capped = min(self.budget, torch.cuda.mem_get_info(parts[0].device)[0] / 4), True
+        for key, part in zip(keys, parts):
             size = part.numel() * part.element_size()
             if key in self.registered and key not in self.states and self.used + size <= self.budget:
                 self.states[key] = part  # a view: the batch's tensor stays as long as one of its rows is kept
                 self.used += size
-        return hidden
+        return parts
+
+    def hidden(self, target, batch: Batch) -> torch.Tensor:
+        """The target's final hidden states at the batch's response positions [N, H], in `labels` order."""
+        return torch.cat(self.rows(batch, lambda: predicted_hidden(target, batch).split(list(batch.counts))))
 
 
 class DraftObjective:

@@ -131,7 +131,7 @@ class DistillConfig:
     loss_chunk_size: int = 4096  # the loss over [tokens, vocab] logits this many tokens at a time; 0: all at once
     pack_sequences: bool = True  # a standalone draft's training sequences share rows instead of padding them
     compile: bool = False  # torch.compile the student (dynamic shapes)
-    target_states_gib: float = 8.0  # the target's hidden states at fixed rows' response positions kept on the device
+    target_states_gib: float = 8.0  # the target's states at fixed rows kept on the device (a head's: every position)
 
 
 @dataclass

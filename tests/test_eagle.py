@@ -126,10 +126,14 @@ def test_greedy_with_a_head_equals_target_greedy(trained):
 
 
 def test_training_resumes_where_it_stopped(tiny_models, tmp_path):
-    """A run stopped after its first checkpoint and started again ends where an uninterrupted one ends."""
+    """A run stopped after its first checkpoint and started again ends where an uninterrupted one ends, bit for bit
+    with the target run at every step (kept states are recomputed after a restart, in other batches: equal up to
+    float rounding only)."""
+    from dataclasses import replace
+
     target_dir = tiny_models["smollm2"][0]
     rows = greedy_rows(target_dir, n=64)
-    cfg = distill_config(max_steps=8, eval_every=4)
+    cfg = replace(distill_config(max_steps=8, eval_every=4), target_states_gib=0.0)
     whole = distiller(target_dir, rows, tmp_path / "whole", cfg)
     whole.train()
 
@@ -205,3 +209,22 @@ def test_draft_vocabulary_is_the_most_frequent_tokens_then_the_lowest_ids():
     with pytest.raises(eagle.EagleConfigError, match="draft.aux_layers"):
         eagle.resolve_aux_layers([1, 40], 30)
     assert eagle.resolve_aux_layers([], 30) == (2, 15, 27)  # vLLM's default: an early, a middle and a late layer
+
+
+def test_kept_target_states_train_the_head_as_the_online_target_does(tiny_models, tmp_path):
+    # the target's features and final states kept from the first forward over each row: the same losses, step for
+    # step, as running the target every time (distill.target_states_gib=0), and the second epoch runs no target
+    from dataclasses import replace
+
+    target_dir = tiny_models["smollm2"][0]
+    rows = greedy_rows(target_dir, n=64)
+    histories, forwards = {}, {}
+    for gib in (0.0, 1.0):
+        d = distiller(target_dir, rows, tmp_path / f"work{gib}", replace(distill_config(max_steps=12, eval_every=6), target_states_gib=gib))
+        calls, original = [], d.objective.row_states
+        d.objective.row_states = lambda target, batch, original=original, calls=calls: calls.append(1) or original(target, batch)
+        histories[gib], forwards[gib] = d.train()["history"], len(calls)
+    for key in ("eval_loss", "train_loss"):
+        online, kept = ([h[key] for h in histories[gib] if key in h] for gib in (0.0, 1.0))
+        assert kept == pytest.approx(online, rel=1e-5), key
+    assert forwards[1.0] < forwards[0.0]  # the second epoch's batches and the second evaluation run no target
