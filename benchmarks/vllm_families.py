@@ -41,23 +41,13 @@ STEPS = [
 
 
 def tiny_target(family: str, path: Path) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from draftsmith.distill.tokenizer import copy_tokenizer_files
     from draftsmith.pipeline.target import convert_gguf, demo_gguf_path
-    from tests.conftest import tiny_config
+    from tests.conftest import save_tiny_model
 
-    config = tiny_config(family, vocab_size=49152, num_layers=4)
-    config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads = 128, 64, 2, 1
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    model.save_pretrained(path)
+    wide = {"hidden_size": 128, "head_dim": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    save_tiny_model(path, family, seed=0, overrides=wide | ids, vocab_size=49152, num_layers=4)
     copy_tokenizer_files(convert_gguf(demo_gguf_path(), Path.home() / ".cache" / "draftsmith" / "targets"), path)
     return path
 

@@ -156,8 +156,7 @@ def gate_warnings(report: dict) -> list[str]:
         f"- **Warning**: {g['what']} is {g['value']:.4f}, below evaluate.{name} = {g['threshold']}. Published all the same "
         f"(evaluate.alpha_gate=warn): it measured {speedup:.2f}x plain decoding on {report['device']}. "
         "evaluate.alpha_gate=hard holds such a draft back."
-        for name in gates.get("warnings", [])
-        if (g := gates[name])
+        for name, g in ((name, gates[name]) for name in gates.get("warnings", []))
     ]
     return lines + [""] if lines else []
 

@@ -82,11 +82,15 @@ def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
     raise ValueError(family)
 
 
-def save_tiny_model(path: Path, family: str, seed: int, **kwargs) -> Path:
+def save_tiny_model(path: Path, family: str, seed: int, overrides: dict | None = None, **kwargs) -> Path:
+    """A random-weight model of the family's tiny config (kwargs: tiny_config's; overrides: config attributes)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs))
+    config = tiny_config(family, **kwargs)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger-than-default weights give peaked, varied distributions
         for p in model.parameters():
             if p.dim() == 2:
