@@ -19,7 +19,7 @@
 #                                            medians and ranges (KINDS: any of plain eagle3 draft_model, all by default;
 #                                            one kind a call stays under the 10 minutes a call may take)
 #   bash benchmarks/h200_bench.sh compare      each bundle (BUNDLES, else the newest) served in process, then its engine
-#                                            alone: server / engine, 3 rounds
+#                                            alone: server / engine, 3 rounds, and the engine and HTTP threads' CPU shares
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 #   bash benchmarks/h200_bench.sh profile8b    where a plain step and a verification go at the Llama-3.1-8B shape (random weights)
@@ -213,7 +213,7 @@ vllm)
   ;;
 compare)
   for b in ${BUNDLES:-$(bundle)}; do
-    "${cli[@]}" bench serve --compare-engine "$b" --device cuda --concurrency 1 --concurrency 16 \
+    COLUMNS=200 "${cli[@]}" bench serve --compare-engine "$b" --device cuda --concurrency 1 --concurrency 16 \
       --duration "${DURATION:-15}" --repeats 3 --out "$out/bench_serve_compare_$(basename "$(dirname "$b")").json" 2>&1 | tail -8
   done
   ;;

@@ -10,7 +10,9 @@ usage chunk (`stream_options.include_usage`), which both servers send.
 own (as real clients are: their Python work does not contend for the server's interpreter lock), then
 drives the same server's scheduler directly (no HTTP, no tokenization per request, same prompts, max_tokens and greedy
 settings) with the same number of requests always in flight: each level gains the engine's tokens/s
-and the server's share of it. With repeats, the levels run that many rounds after one warm-up and
+and the server's share of it, and where the server's time went: the share of each level's wall time that the
+engine's thread and the HTTP thread (the event loop: parsing, detokenizing, SSE) spent on a CPU. Both hold
+Python's interpreter lock while they run, so their sum near 1 says the two wait on each other. With repeats, the levels run that many rounds after one warm-up and
 `median_rows` gives each level's medians and the ratio's spread.
 """
 
@@ -173,6 +175,27 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
     return {"engine_requests": len(done), "engine_tokens_per_s": round(tokens / wall, 1)}
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds each of this process's Python threads has used, by thread name (Linux; empty elsewhere)."""
+    import os
+    import threading
+
+    tick, used = os.sysconf("SC_CLK_TCK"), {}
+    for thread in threading.enumerate():
+        try:  # /proc/<pid>/task/<tid>/stat: utime and stime are the 14th and 15th fields
+            fields = open(f"/proc/self/task/{thread.native_id}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        used[thread.name] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+def busy_shares(before: dict[str, float], wall: float, names: Sequence[str]) -> dict[str, float | None]:
+    """The share of `wall` seconds that each named thread spent on a CPU since `before` (thread_cpu_seconds)."""
+    after = thread_cpu_seconds()
+    return {name: round((after[name] - before[name]) / wall, 3) if name in after and name in before else None for name in names}
+
+
 def compare_engine(
     bundle,
     prompts: Sequence[list[dict]],
@@ -204,7 +227,7 @@ def compare_engine(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
+    thread = threading.Thread(target=http.run, name="http", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     rows = []
@@ -218,10 +241,15 @@ def compare_engine(
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
             for repeat in range(1, repeats + 1):
                 for concurrency in concurrencies:
+                    before, started = thread_cpu_seconds(), time.perf_counter()
                     row = clients.submit(bench_serve, url, prompts, [concurrency], max_tokens, duration, None, server.model_name).result()[
                         0
                     ]
+                    busy = busy_shares(before, time.perf_counter() - started, ("engine", "http"))
+                    before, started = thread_cpu_seconds(), time.perf_counter()
                     row.update(engine_level(server, prompts, concurrency, max_tokens, duration), repeat=repeat)
+                    alone = busy_shares(before, time.perf_counter() - started, ("engine",))
+                    row.update(engine_busy=busy["engine"], http_busy=busy["http"], engine_busy_alone=alone["engine"])
                     row["server_over_engine"] = round(row["tokens_per_s"] / row["engine_tokens_per_s"], 3)
                     rows.append(row)
     finally:
@@ -254,6 +282,9 @@ def median_rows(rows: Sequence[dict]) -> list[dict]:
                 "ratio_high": max(ratios),
                 "ttft_p50_ms": median("ttft_p50_ms"),
                 "ttft_p99_ms": median("ttft_p99_ms"),
+                "engine_busy": median("engine_busy"),
+                "http_busy": median("http_busy"),
+                "engine_busy_alone": median("engine_busy_alone"),
             }
         )
     return summary

@@ -200,7 +200,7 @@ def bench_serve_command(
         rows = bench.compare_engine(compare_engine, chats, concurrency, max_tokens, duration, device, repeats=repeats)
         url, columns = (
             f"draftsmith serve {compare_engine} (in process)",
-            ("repeat",) + columns + ("engine_tokens_per_s", "server_over_engine"),
+            ("repeat",) + columns + ("engine_tokens_per_s", "server_over_engine", "engine_busy", "http_busy", "engine_busy_alone"),
         )
     else:
         rows = bench.bench_serve(url, chats, concurrency, max_tokens, duration, api_key)

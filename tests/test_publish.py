@@ -270,6 +270,8 @@ def test_bench_serve_compares_the_server_with_its_own_engine(published):
     for r in rows:  # both sides measured in this one process, each level's engine run right after its server run
         assert r["engine_requests"] >= r["concurrency"] and r["engine_tokens_per_s"] > 0
         assert r["server_over_engine"] == round(r["tokens_per_s"] / r["engine_tokens_per_s"], 3)
+        # where the server's time went: the engine's thread computed in both runs; a thread is on one CPU at most
+        assert 0 < r["engine_busy"] <= 1.05 and 0 < r["engine_busy_alone"] <= 1.05 and 0 <= r["http_busy"] <= 1.05
     for level in result["medians"]:
         ratios = sorted(r["server_over_engine"] for r in rows if r["concurrency"] == level["concurrency"])
         assert level["runs"] == 2 and (level["ratio_low"], level["ratio_high"]) == (ratios[0], ratios[-1])
