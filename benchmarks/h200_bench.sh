@@ -20,6 +20,9 @@
 #                                            one kind a call stays under the 10 minutes a call may take)
 #   bash benchmarks/h200_bench.sh compare      each bundle (BUNDLES, else the newest) served in process, then its engine
 #                                            alone: server / engine, 3 rounds, and the engine and HTTP threads' CPU shares
+#   bash benchmarks/h200_bench.sh qwen_coder   preset=qwen_coder's three drafts of Qwen2.5-Coder-1.5B (a sweep; LIMIT a call,
+#                                            a rerun resumes), after joining the files that benchmarks/qwen_coder_assets.py
+#                                            --pieces cut, carried one piece a call into $ROOT/qwen_coder/
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 #   bash benchmarks/h200_bench.sh profile8b    where a plain step and a verification go at the Llama-3.1-8B shape (random weights)
@@ -88,7 +91,7 @@ load() {  # name port: a 3-second warm-up (not kept), then ROUNDS (3) rounds of 
   done
 }
 
-case "${1:?tests, train, eagle, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, batch, attention, profile8b or scale}" in
+case "${1:?tests, train, eagle, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b or scale}" in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py tests/test_penalties.py 2>&1 | tail -15
   ;;
@@ -216,6 +219,17 @@ compare)
     COLUMNS=200 "${cli[@]}" bench serve --compare-engine "$b" --device cuda --concurrency 1 --concurrency 16 \
       --duration "${DURATION:-15}" --repeats 3 --out "$out/bench_serve_compare_$(basename "$(dirname "$b")").json" 2>&1 | tail -8
   done
+  ;;
+qwen_coder)
+  assets=$HOME/.cache/draftsmith/qwen_coder  # where the preset looks
+  mkdir -p "$assets"
+  for sum in "$root"/qwen_coder/*.sha256; do
+    file=$assets/$(basename "$sum" .sha256)
+    [ -f "$file" ] || { cat "${sum%.sha256}".part* > "$file.tmp" && mv "$file.tmp" "$file"; }
+    test "$(sha256sum "$file" | cut -c1-64)" = "$(cut -c1-64 "$sum")" || { echo "$file: pieces missing or changed"; rm -f "$file"; exit 1; }
+  done
+  timeout "$limit" "${cli[@]}" run -m preset=qwen_coder tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs \
+    stop_after=publish 2>&1 | tail -30 || true
   ;;
 batch)
   python3 benchmarks/profile_batch.py --draft "$(bundle)/draft" --cache-dir $root/cache

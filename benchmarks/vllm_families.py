@@ -1,11 +1,14 @@
 """vLLM itself on bundles of other families than Llama: a tiny random-weight target of each (the demo's tokenizer),
 the pipeline end to end, then `make vllm-check` on the bundle (vLLM's CPU build).
 
-    .venv/bin/python benchmarks/vllm_families.py [--out DIR] [qwen3:eagle3 qwen3:from_target gemma2:from_target ...]
+    .venv/bin/python benchmarks/vllm_families.py [--out DIR] [--pretrain STEPS] [qwen3:eagle3 gemma2:from_target ...]
 
 The targets are the test suite's tiny configs (tests/conftest.py) widened to a head size vLLM's CPU attention
 takes (64). Draft models keep the target's whole vocabulary: vLLM's draft_model method proposes from all of it,
-while draftsmith can restrict proposals to draft_vocab.json (README, Limits). Prints one line per bundle: vLLM's verdict, and its acceptance against eval.json.
+while draftsmith can restrict proposals to draft_vocab.json (README, Limits). A random target is degenerate (greedy
+decoding repeats one token, so acceptance is 0 or 1 and agreement says little): `--pretrain STEPS` first trains
+it as a language model on the demo prompts under its chat template, so that its greedy text varies. Prints one
+line per bundle: vLLM's verdict, and its acceptance against eval.json.
 """
 
 from __future__ import annotations
@@ -52,16 +55,45 @@ def tiny_target(family: str, path: Path) -> Path:
     return path
 
 
+def pretrain(path: Path, steps: int, seq_len: int = 96, batch_size: int = 16) -> None:
+    """Next-token training of the target in `path` (in place) on the demo prompts, templated as the data stage
+    templates them: a few hundred steps give a tiny target varied greedy text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.distill.data import read_records, to_messages
+    from draftsmith.serve.protocol import chat_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stream = [t for r in read_records("demo") if (m := to_messages(r, "prompt")) for t in chat_token_ids(tokenizer, m)]
+    windows = torch.tensor(stream[: len(stream) // seq_len * seq_len]).view(-1, seq_len)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        batch = windows[torch.randint(len(windows), (batch_size,), generator=generator)]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"  pretrain {path.parent.name}: step {step} loss {loss.item():.3f}", flush=True)
+    model.save_pretrained(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("jobs", nargs="*", default=["qwen3:eagle3", "qwen3:from_target", "gemma2:from_target"])
     parser.add_argument("--out", type=Path, default=Path("/tmp/draftsmith-vllm-families"))
+    parser.add_argument("--pretrain", type=int, default=0, help="train each target this many steps first (0: random)")
     args = parser.parse_args()
     lines = []
     for job in args.jobs:
         family, draft = job.split(":")
         work = args.out / f"{family}-{draft}"
         target = tiny_target(family, work / "target")
+        if args.pretrain:
+            pretrain(target, args.pretrain)
         started = time.perf_counter()
         run = subprocess.run(
             [

@@ -84,18 +84,24 @@ def build_scratch(target_dir: Path, out_dir: Path, num_layers: int, seed: int) -
     return out_dir
 
 
-def build_pretrained(source: Path, target_dir: Path, out_dir: Path) -> Path:
-    """An existing small model as the draft; refused unless its tokenizer is the target's."""
+def build_pretrained(source: Path, target_dir: Path, out_dir: Path, cache_dir: Path) -> Path:
+    """An existing small model as the draft (an HF dir, or a .gguf file converted into cache_dir as a GGUF target
+    is); refused unless its tokenizer is the target's."""
+    if source.suffix == ".gguf" and source.is_file():
+        from draftsmith.pipeline.target import convert_gguf
+
+        source = convert_gguf(source, cache_dir)
     if not (source / "config.json").is_file():
-        raise DraftError(f"draft.pretrained_path={source} is not an HF model dir (no config.json)")
+        raise DraftError(f"draft.pretrained_path={source} is neither an HF model dir (no config.json) nor a .gguf file")
     check_same_tokenizer(target_dir, source)
     shutil.copytree(source, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.bin", "*.pt", "*.pth"))
     (out_dir / "draft.json").write_text(json.dumps({"init": "pretrained", "source": str(source)}, indent=2))
     return out_dir
 
 
-def build_draft(cfg, target_dir: Path, out_dir: Path, seed: int) -> Path:
-    """The initial draft of `cfg` (a DraftConfig) in out_dir, on the target's tokenizer."""
+def build_draft(cfg, target_dir: Path, out_dir: Path, seed: int, cache_dir: Path = Path("~/.cache/draftsmith")) -> Path:
+    """The initial draft of `cfg` (a DraftConfig) in out_dir, on the target's tokenizer (a GGUF pretrained draft
+    converted into cache_dir)."""
     init = cfg.init.value
     if init == "from_target":
         n = read_config(target_dir)["num_hidden_layers"]
@@ -104,5 +110,5 @@ def build_draft(cfg, target_dir: Path, out_dir: Path, seed: int) -> Path:
     if init == "scratch":
         return build_scratch(target_dir, out_dir, cfg.num_layers, seed)
     if not cfg.pretrained_path:
-        raise DraftError("draft.init=pretrained needs draft.pretrained_path (an HF model dir on the target's tokenizer)")
-    return build_pretrained(Path(cfg.pretrained_path).expanduser(), target_dir, out_dir)
+        raise DraftError("draft.init=pretrained needs draft.pretrained_path (an HF model dir or a .gguf file on the target's tokenizer)")
+    return build_pretrained(Path(cfg.pretrained_path).expanduser(), target_dir, out_dir, cache_dir)

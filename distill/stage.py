@@ -97,7 +97,7 @@ def draft_student(cfg: DraftsmithConfig, target_dir: Path, initial: Path, state,
     from transformers import AutoModelForCausalLM
 
     if state.is_main_process and not (initial / "config.json").is_file():
-        build_draft(cfg.draft, target_dir, initial, cfg.seed)
+        build_draft(cfg.draft, target_dir, initial, cfg.seed, Path(cfg.target.cache_dir))
         adopt_target_tokenizer(target_dir, initial)
     state.wait_for_everyone()
     draft = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)

@@ -22,6 +22,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -183,7 +184,7 @@ def thread_cpu_seconds() -> dict[str, float]:
     tick, used = os.sysconf("SC_CLK_TCK"), {}
     for thread in threading.enumerate():
         try:  # /proc/<pid>/task/<tid>/stat: utime and stime are the 14th and 15th fields
-            fields = open(f"/proc/self/task/{thread.native_id}/stat").read().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         used[thread.name] = (int(fields[11]) + int(fields[12])) / tick

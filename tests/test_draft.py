@@ -59,6 +59,20 @@ def test_a_draft_with_other_special_token_ids_is_refused_naming_them(tiny_chat_t
         build_draft(draft_config("pretrained", pretrained_path=str(other)), tiny_chat_target, tmp_path / "d", seed=0)
 
 
+def test_a_gguf_file_is_a_pretrained_draft(tiny_chat_target, demo_target_dir, tmp_path):
+    """A real target's small sibling often ships as a GGUF (Qwen2.5-Coder-0.5B for the 1.5B): the file is converted
+    as a GGUF target is (into the same cache), then checked against the target's tokenizer like any draft."""
+    from draftsmith.pipeline.target import demo_gguf_path
+
+    cache = demo_target_dir.parent.parent  # where the suite converted the demo GGUF: no second conversion
+    draft_dir = build_draft(draft_config("pretrained", pretrained_path=str(demo_gguf_path())), tiny_chat_target, tmp_path / "d", 0, cache)
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
+    assert json.loads((draft_dir / "draft.json").read_text())["source"] == str(demo_target_dir)
+    with pytest.raises(DraftError, match="neither an HF model dir .* nor a .gguf file"):
+        build_draft(draft_config("pretrained", pretrained_path=str(tmp_path / "missing.gguf")), tiny_chat_target, tmp_path / "e", 0, cache)
+
+
 def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
