@@ -45,6 +45,16 @@ def test_the_qwen_coder_preset_resolves_to_three_drafts_of_a_real_target():
     assert sibling.pretrained_path.endswith("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 
 
+def test_the_eagle3_sweep_resolves_to_a_grid_of_heads():
+    with initialize_config_module(config_module="draftsmith.conf", version_base="1.3"):
+        sweep = compose(config_name="config", overrides=["preset=eagle3_sweep"], return_hydra_config=True).hydra.sweeper.params
+    assert dict(sweep) == {"distill.teacher.extra_samples": "3,15", "distill.max_steps": "2000,4000", "draft.ttt_steps": "4,7"}
+    cfg = validate(composed("preset=eagle3_sweep", "distill.teacher.extra_samples=15", "distill.max_steps=4000", "draft.ttt_steps=7"))
+    assert cfg.draft.kind.value == "eagle3" and cfg.device.value == "cuda" and cfg.distill.compile  # the gpu preset's, for a head
+    assert (cfg.distill.teacher.extra_samples, cfg.distill.max_steps, cfg.draft.ttt_steps) == (15, 4000, 7)
+    assert (cfg.distill.batch_size, cfg.distill.learning_rate, cfg.distill.teacher.batch_size) == (64, 1e-3, 128)
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
