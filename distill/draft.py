@@ -93,8 +93,11 @@ def build_pretrained(source: Path, target_dir: Path, out_dir: Path, cache_dir: P
         source = convert_gguf(source, cache_dir)
     if not (source / "config.json").is_file():
         raise DraftError(f"draft.pretrained_path={source} is neither an HF model dir (no config.json) nor a .gguf file")
-    check_same_tokenizer(target_dir, source)
+    # the same tokens; a chat template of its own may differ (siblings' GGUFs do, in a tool-call instruction's
+    # escaping): the draft never applies it, and takes the target's tokenizer files here
+    check_same_tokenizer(target_dir, source, template=False)
     shutil.copytree(source, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.bin", "*.pt", "*.pth"))
+    copy_tokenizer_files(target_dir, out_dir)
     (out_dir / "draft.json").write_text(json.dumps({"init": "pretrained", "source": str(source)}, indent=2))
     return out_dir
 

@@ -59,6 +59,21 @@ def test_a_draft_with_other_special_token_ids_is_refused_naming_them(tiny_chat_t
         build_draft(draft_config("pretrained", pretrained_path=str(other)), tiny_chat_target, tmp_path / "d", seed=0)
 
 
+def test_a_pretrained_draft_with_its_own_chat_template_takes_the_targets(tiny_chat_target, tmp_path):
+    """Siblings' GGUFs can differ in their chat template (Qwen2.5-Coder 0.5B and 1.5B do, in one escaped brace):
+    the draft never applies a template, so the same tokens suffice, and the draft takes the target's files."""
+    from transformers import AutoTokenizer
+
+    other = shutil.copytree(tiny_chat_target, tmp_path / "other")
+    template = other / "chat_template.jinja"
+    template.write_text(template.read_text() + "{# the sibling's own #}")
+    with pytest.raises(TokenizerMismatch, match="the chat templates differ"):
+        check_same_tokenizer(tiny_chat_target, other)
+    draft_dir = build_draft(draft_config("pretrained", pretrained_path=str(other)), tiny_chat_target, tmp_path / "d", seed=0)
+    assert AutoTokenizer.from_pretrained(draft_dir).chat_template == AutoTokenizer.from_pretrained(tiny_chat_target).chat_template
+    check_same_tokenizer(tiny_chat_target, draft_dir)
+
+
 def test_a_gguf_file_is_a_pretrained_draft(tiny_chat_target, demo_target_dir, tmp_path):
     """A real target's small sibling often ships as a GGUF (Qwen2.5-Coder-0.5B for the 1.5B): the file is converted
     as a GGUF target is (into the same cache), then checked against the target's tokenizer like any draft."""
