@@ -4,7 +4,10 @@ benchmarks/qwen_coder_assets.py) converted as the target stage converts a GGUF t
 output compared token for token with transformers' on a few chat prompts (float32 on the CPU; a few minutes, most
 of it the download).
 
-    .venv/bin/python benchmarks/check_qwen_coder.py [--cache-dir ~/.cache/draftsmith] [--new-tokens 48]
+    .venv/bin/python benchmarks/check_qwen_coder.py [--cache-dir ~/.cache/draftsmith] [--new-tokens 48] [--model 1.5b]
+
+`--model 1.5b` checks preset=qwen_coder's target, Qwen2.5-Coder-1.5B-Instruct (22 packages, 1.12 GB; 12 GB of memory
+in float32 for both models), instead of the 0.5B.
 
 Exit 0 when every prompt's tokens are equal; 1 and the first difference otherwise.
 """
@@ -15,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qwen_coder_assets import SIBLING, joined  # beside this script
+from qwen_coder_assets import SIBLING, TARGET, joined  # beside this script
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -29,6 +32,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/draftsmith"))
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--model", choices=("0.5b", "1.5b"), default="0.5b")
     args = parser.parse_args()
 
     import torch
@@ -40,7 +44,7 @@ def main() -> int:
     from draftsmith.serve.weights import load_model
 
     cache = args.cache_dir.expanduser()
-    target = convert_gguf(joined(cache / "qwen_coder", *SIBLING), cache)
+    target = convert_gguf(joined(cache / "qwen_coder", *(SIBLING if args.model == "0.5b" else TARGET)), cache)
     check_family(target)
     tokenizer = AutoTokenizer.from_pretrained(target)
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
