@@ -12,8 +12,9 @@ drives the same server's scheduler directly (no HTTP, no tokenization per reques
 settings) with the same number of requests always in flight: each level gains the engine's tokens/s
 and the server's share of it, and where the server's time went: the share of each level's wall time that the
 engine's thread and the HTTP thread (the event loop: parsing, detokenizing, SSE) spent on a CPU. Both hold
-Python's interpreter lock while they run, so their sum near 1 says the two wait on each other. With repeats, the levels run that many rounds after one warm-up and
-`median_rows` gives each level's medians and the ratio's spread.
+Python's interpreter lock while they run, so their sum near 1 says the two wait on each other. With repeats,
+the levels run that many rounds after one warm-up and `median_rows` gives each level's medians and the ratio's
+spread.
 """
 
 from __future__ import annotations
