@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -106,13 +107,22 @@ async def stream(
     scan = lambda params: (params.stop_automaton or StopStrings(params.stop)).scan() if params.stop else None
     choices = [Streamed(IncrementalText(decode), scan(request.params), last_burst=started) for request in submitted]
     results: dict[int, Completion] = {}
+    pending: deque = deque()  # (index, item) taken from `updates`, in order
     try:
         for index, echo in enumerate(echoes):
             if chat or echo:
                 opening = {"delta": {"role": "assistant", "content": ""}} if chat else {"text": echo}
                 yield event({"choices": [{"index": index, "finish_reason": None, "logprobs": None, **opening}]})
         while len(results) < len(submitted):
-            index, item = await updates.get()
+            if not pending:
+                pending.append(await updates.get())
+            while not updates.empty():
+                pending.append(updates.get_nowait())
+            index, item = pending.popleft()
+            while not isinstance(item, tuple) and pending and pending[0][0] == index and not isinstance(pending[0][1], tuple):
+                # a loop behind the engine sends this choice's waiting steps as one chunk, not one a step: the
+                # busier the server, the less work a token costs it
+                item = item + pending.popleft()[1]
             request, choice = submitted[index], choices[index]
             if isinstance(item, tuple):
                 result = item[1]
@@ -129,7 +139,7 @@ async def stream(
             group = server.smooth_stream or len(item)
             groups = [item[i : i + group] for i in range(0, len(item), group)]
             for j, part in enumerate(groups):
-                if j and updates.empty():  # pace the burst over the expected step time, never behind
+                if j and not pending and updates.empty():  # pace the burst over the expected step time, never behind
                     await asyncio.sleep(choice.step_s / len(groups))
                 choice.extend(part)
                 text = choice.settled()

@@ -192,6 +192,45 @@ def test_stream_smoothing_sends_bursts_in_small_groups(tiny_chat_target):
     assert len(smooth) > 2 * len(bursts)
 
 
+def test_a_stream_behind_the_engine_sends_the_waiting_steps_as_one_chunk(tiny_chat_target):
+    # the event loop held up after the first chunk (as a busy server's is): the engine's later steps wait in the
+    # reply's queue, and go out as one chunk, not one a step, with the same text
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
+
+    async def chunks(hold: float) -> list[str]:
+        model = load_model(tiny_chat_target, torch.float32)
+        engine = Engine(model, load_model(tiny_chat_target, torch.float32), max_batch_size=2, max_seq_len=128)
+        server = Server(engine, tokenizer, "tiny", num_speculative_tokens=3, max_model_len=100, adaptive_k=False)
+        server.start()
+        while not server.ready:
+            await asyncio.sleep(0.05)
+        loop, count_step = asyncio.get_running_loop(), server.scheduler.on_step
+
+        def first_step_holds_the_loop(k: int, accepted: list[int]) -> None:  # on the engine's thread
+            count_step(k, accepted)
+            if server.scheduler.on_step is first_step_holds_the_loop:
+                server.scheduler.on_step = count_step
+                loop.call_soon_threadsafe(time.sleep, hold)  # the loop stalls; the engine's thread runs on
+
+        server.scheduler.on_step = first_step_holds_the_loop
+        body = {"prompt": "Card declined abroad", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+        pieces = []
+        transport = httpx.ASGITransport(app=create_app(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and (text := json.loads(line[6:])["choices"][0]["text"]):
+                        pieces.append(text)
+        server.stop()
+        return pieces
+
+    steps, held = asyncio.run(chunks(0.0)), asyncio.run(chunks(2.0))
+    assert "".join(held) == "".join(steps)
+    assert len(steps) >= 8 and len(held) <= 3  # 40 tokens at 4 a step: ten steps, or the first and the rest
+
+
 def test_openai_parameters_are_honoured_or_refused_by_name(base_url):
     import openai as openai_errors
 
