@@ -40,6 +40,7 @@ def main() -> int:
 
     from draftsmith.pipeline.target import check_family, convert_gguf
     from draftsmith.serve.engine import Engine
+    from draftsmith.serve.protocol import chat_token_ids
     from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.weights import load_model
 
@@ -47,8 +48,7 @@ def main() -> int:
     target = convert_gguf(joined(cache / "qwen_coder", *(SIBLING if args.model == "0.5b" else TARGET)), cache)
     check_family(target)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
-    chats = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    chats = [chat_token_ids(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     engine = Engine(load_model(target, torch.float32), None, max_batch_size=len(chats), max_seq_len=256)
     ours = engine.generate(chats, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)).completions

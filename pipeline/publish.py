@@ -152,12 +152,14 @@ def alert_rules(report: dict) -> str:
 def gate_warnings(report: dict) -> list[str]:
     """The card's lines on gates that failed as warnings (the draft was published all the same)."""
     gates, speedup = report["gates"], report["speed"]["measured_speedup"][report["shipped"]][str(report["num_speculative_tokens"])]
-    lines = [
-        f"- **Warning**: {g['what']} is {g['value']:.4f}, below evaluate.{name} = {g['threshold']}. Published all the same "
-        f"(evaluate.alpha_gate=warn): it measured {speedup:.2f}x plain decoding on {report['device']}. "
-        "evaluate.alpha_gate=hard holds such a draft back."
-        for name, g in ((name, gates[name]) for name in gates.get("warnings", []))
-    ]
+    lines = []
+    for name in gates.get("warnings", []):
+        g = gates[name]
+        lines.append(
+            f"- **Warning**: {g['what']} is {g['value']:.4f}, below evaluate.{name} = {g['threshold']}. Published all the same "
+            f"(evaluate.alpha_gate=warn): it measured {speedup:.2f}x plain decoding on {report['device']}. "
+            "evaluate.alpha_gate=hard holds such a draft back."
+        )
     return lines + [""] if lines else []
 
 
