@@ -121,27 +121,15 @@ def disagreements(measured: dict, expected: dict, tolerance: float) -> list[str]
     ]
 
 
-def cpu_memory_fraction() -> float:
-    """What vLLM's CPU backend may take of the machine's memory (its gpu_memory_utilization, 0.92 by default, which
-    it refuses at startup unless that much is free: any other process on a 24 GiB machine was enough): the free
-    memory less 1 GiB, at most vLLM's default. A bundle that needs more still fails, with vLLM's message."""
-    import psutil
-
-    memory = psutil.virtual_memory()
-    return round(min(0.92, (memory.available - (1 << 30)) / memory.total), 2)
-
-
 def run_vllm(
     target: str, spec: dict, prompts: list[list[int]], max_new_tokens: int, max_len: int | None, dtype: str, max_num_seqs: int | None
 ) -> tuple[dict, float]:
     """Generate greedily with vLLM; its speculative-decoding counters, and the seconds it took."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.platforms import current_platform
 
     started = time.perf_counter()
     batch = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
-    batch |= {"gpu_memory_utilization": cpu_memory_fraction()} if current_platform.is_cpu() else {}
     llm = LLM(
         model=target,
         speculative_config=spec,
