@@ -6,15 +6,15 @@ for and counted. Reported per level: requests, errors, output tokens/s over the 
 and time to first token and time per output token (p50, p99). Output tokens come from the final
 usage chunk (`stream_options.include_usage`), which both servers send.
 
-`compare_engine` serves a bundle from this process and loads it at each level from a process of its
-own (as real clients are: their Python work does not contend for the server's interpreter lock), then
-drives the same server's scheduler directly (no HTTP, no tokenization per request, same prompts, max_tokens and greedy
-settings) with the same number of requests always in flight: each level gains the engine's tokens/s
-and the server's share of it, and where the server's time went: the share of each level's wall time that the
-engine's thread and the HTTP thread (the event loop: parsing, detokenizing, SSE) spent on a CPU. Both hold
-Python's interpreter lock while they run, so their sum near 1 says the two wait on each other. With repeats,
-the levels run that many rounds after one warm-up and `median_rows` gives each level's medians and the ratio's
-spread.
+`compare_engine` serves a bundle from this process, its engine in a process of its own as `draftsmith serve`
+runs it, and loads it at each level from a process of its own (as real clients are: their Python work does
+not contend for the server's interpreter lock), then drives the same bundle's engine loaded in this process
+directly (no HTTP, no tokenization per request, same prompts, max_tokens and greedy settings) with the same
+number of requests always in flight: each level gains the engine's tokens/s and the server's share of it, and
+where the time went: the share of each level's wall time that the engine process's stepping thread and the server's HTTP
+thread (the event loop: parsing, detokenizing, SSE) spent on a CPU, and the engine's thread alone. With
+repeats, the levels run that many rounds after one warm-up and `median_rows` gives each level's medians and
+the ratio's spread.
 """
 
 from __future__ import annotations
@@ -135,17 +135,15 @@ def bench_serve(
     return [asyncio.run(run_level(url, model, prompts, c, max_tokens, duration, api_key)) for c in concurrencies]
 
 
-def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_tokens: int, duration: float) -> dict:
-    """The running scheduler of `server`, fed directly (no HTTP, no tokenization per request) with
-    `concurrency` requests always in flight, cycling through the prompts for `duration` seconds;
+def engine_level(scheduler, ids: Sequence[list[int]], concurrency: int, max_tokens: int, duration: float) -> dict:
+    """A running scheduler (its thread steps it), fed directly (no HTTP, no tokenization per request) with
+    `concurrency` requests always in flight, cycling through the prompts' token ids for `duration` seconds;
     requests still running at the end are waited for."""
     import threading
 
-    from draftsmith.serve.protocol import ChatRequest
     from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.scheduler import Request
 
-    ids = [server.prompt_ids(ChatRequest(messages=m))[0] for m in prompts]  # as the server tokenizes them
     params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
     done: list = []
     lock, finished = threading.Lock(), threading.Event()
@@ -155,7 +153,7 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
 
     def submit() -> None:
         nonlocal submitted
-        server.scheduler.submit(Request(ids[submitted % len(ids)], params, on_done=on_done))
+        scheduler.submit(Request(ids[submitted % len(ids)], params, on_done=on_done))
         submitted += 1
 
     def on_done(result) -> None:  # on the engine's thread
@@ -177,24 +175,28 @@ def engine_level(server, prompts: Sequence[list[dict]], concurrency: int, max_to
     return {"engine_requests": len(done), "engine_tokens_per_s": round(tokens / wall, 1)}
 
 
-def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds each of this process's Python threads has used, by thread name (Linux; empty elsewhere)."""
+def cpu_seconds(pid: int | None = None) -> dict[str, float]:
+    """CPU seconds used by each of this process's Python threads, by thread name, and by the main thread of
+    process `pid` (the thread that steps an engine process) under "engine_process" (Linux; empty elsewhere)."""
     import os
     import threading
 
     tick, used = os.sysconf("SC_CLK_TCK"), {}
-    for thread in threading.enumerate():
-        try:  # /proc/<pid>/task/<tid>/stat: utime and stime are the 14th and 15th fields
-            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    stats = {thread.name: f"/proc/self/task/{thread.native_id}/stat" for thread in threading.enumerate()}
+    if pid is not None:
+        stats["engine_process"] = f"/proc/{pid}/task/{pid}/stat"
+    for name, path in stats.items():
+        try:  # utime and stime are the 14th and 15th fields
+            fields = Path(path).read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        used[thread.name] = (int(fields[11]) + int(fields[12])) / tick
+        used[name] = (int(fields[11]) + int(fields[12])) / tick
     return used
 
 
-def busy_shares(before: dict[str, float], wall: float, names: Sequence[str]) -> dict[str, float | None]:
-    """The share of `wall` seconds that each named thread spent on a CPU since `before` (thread_cpu_seconds)."""
-    after = thread_cpu_seconds()
+def busy_shares(before: dict[str, float], wall: float, names: Sequence[str], pid: int | None = None) -> dict[str, float | None]:
+    """The share of `wall` seconds that each named thread spent on a CPU since `before` (cpu_seconds)."""
+    after = cpu_seconds(pid)
     return {name: round((after[name] - before[name]) / wall, 3) if name in after and name in before else None for name in names}
 
 
@@ -210,9 +212,10 @@ def compare_engine(
     max_batch_size: int = 16,
     repeats: int = 1,
 ) -> list[dict]:
-    """Server rows (as bench_serve) for `draftsmith serve <bundle>` run in this process, each with the
-    engine's tokens/s at the same concurrency, measured right after it, and the ratio server / engine;
-    `repeats` rounds over the levels after one warm-up (the row's `repeat` says which)."""
+    """Server rows (as bench_serve) for `draftsmith serve <bundle>` run from this process (its engine in a
+    process of its own, as `draftsmith serve` runs it), each with the tokens/s of the same engine run in this
+    process alone at the same concurrency, measured right after it, and the ratio server / engine; `repeats`
+    rounds over the levels after one warm-up (the row's `repeat` says which)."""
     import multiprocessing
     import socket
     import threading
@@ -221,18 +224,20 @@ def compare_engine(
     import httpx
     import uvicorn
 
-    from draftsmith.pipeline.serving import load_server
+    from draftsmith.pipeline.serving import load_scheduler, load_server
+    from draftsmith.serve.protocol import ChatRequest
     from draftsmith.serve.server import create_app
 
     server = load_server(bundle, device, dtype, max_model_len, max_batch_size)
+    ids = [server.prompt_ids(ChatRequest(messages=m))[0] for m in prompts]  # as the server tokenizes them
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http.run, name="http", daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
-    rows = []
+    url, pid = f"http://127.0.0.1:{port}", server.scheduler.pid
+    rows, stop_alone = [], threading.Event()
     try:
         while not (http.started and httpx.get(f"{url}/ready", timeout=30).status_code == 200):
             if server.failed is not None:
@@ -240,23 +245,28 @@ def compare_engine(
             if not thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.2)
+        # the same engine in this process, warmed up after the server's (each times its steps undisturbed)
+        alone = load_scheduler(bundle, device, dtype, max_model_len, max_batch_size, None, True)
+        alone.warm_up()
+        threading.Thread(target=alone.serve_forever, args=(stop_alone,), name="alone", daemon=True).start()
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
             for repeat in range(1, repeats + 1):
                 for concurrency in concurrencies:
-                    before, started = thread_cpu_seconds(), time.perf_counter()
+                    before, started = cpu_seconds(pid), time.perf_counter()
                     row = clients.submit(bench_serve, url, prompts, [concurrency], max_tokens, duration, None, server.model_name).result()[
                         0
                     ]
-                    busy = busy_shares(before, time.perf_counter() - started, ("engine", "http"))
-                    before, started = thread_cpu_seconds(), time.perf_counter()
-                    row.update(engine_level(server, prompts, concurrency, max_tokens, duration), repeat=repeat)
-                    alone = busy_shares(before, time.perf_counter() - started, ("engine",))
-                    row.update(engine_busy=busy["engine"], http_busy=busy["http"], engine_busy_alone=alone["engine"])
+                    busy = busy_shares(before, time.perf_counter() - started, ("engine_process", "http"), pid)
+                    before, started = cpu_seconds(), time.perf_counter()
+                    row.update(engine_level(alone, ids, concurrency, max_tokens, duration), repeat=repeat)
+                    busy_alone = busy_shares(before, time.perf_counter() - started, ("alone",))
+                    row.update(engine_busy=busy["engine_process"], http_busy=busy["http"], engine_busy_alone=busy_alone["alone"])
                     row["server_over_engine"] = round(row["tokens_per_s"] / row["engine_tokens_per_s"], 3)
                     rows.append(row)
     finally:
         http.should_exit = True
-        thread.join()  # the lifespan's end stops the scheduler's thread
+        thread.join()  # the lifespan's end stops the engine's process
+        stop_alone.set()
     return rows
 
 

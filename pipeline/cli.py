@@ -67,18 +67,6 @@ def main() -> None:
     app()
 
 
-def console_log() -> None:
-    """draftsmith's own INFO lines (the server's warm-up) on stderr, not those of the libraries it uses."""
-    import logging
-
-    log = logging.getLogger("draftsmith")
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-
-
 def complete(query: str) -> None:
     """Shell completion: the commands, and after `run` Hydra's completion of config groups and keys (the
     completion line without `run`, as Hydra would see it for an app of its own)."""
@@ -196,6 +184,8 @@ def bench_serve_command(
     chats = heldout_messages() if prompts == "demo" else [m for m in (to_messages(r, "prompt") for r in read_records(prompts)) if m]
     columns = ("concurrency", "requests", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
     if compare_engine:
+        from draftsmith.serve.server import console_log
+
         console_log()
         rows = bench.compare_engine(compare_engine, chats, concurrency, max_tokens, duration, device, repeats=repeats)
         url, columns = (
@@ -335,7 +325,7 @@ def serve(
 
     from draftsmith.pipeline.bundle import BundleError
     from draftsmith.pipeline.serving import BundleSourceError, load_server, resolve_bundle
-    from draftsmith.serve.server import create_app
+    from draftsmith.serve.server import console_log, create_app
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('runs/demo/mlflow.db').resolve()}"
     try:
@@ -363,7 +353,7 @@ def serve(
     server.on_failure = lambda: setattr(http, "should_exit", True)
     http.run()
     if server.failed is not None:
-        typer.echo(f"the warm-up failed: {server.failed}", err=True)
+        typer.echo(server.failure, err=True)
         raise typer.Exit(1)
 
 

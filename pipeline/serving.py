@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from functools import partial
 from typing import TYPE_CHECKING
 
-from draftsmith.pipeline.bundle import TARGET_JSON, target_dir_of, verify
+from draftsmith.pipeline.bundle import SPECULATIVE_CONFIG, TARGET_JSON, target_dir_of, verify
 
 if TYPE_CHECKING:
+    from draftsmith.serve.scheduler import Scheduler
     from draftsmith.serve.server import Server
 
 
@@ -50,23 +52,47 @@ def resolve_bundle(source: str, tracking_uri: str | None = None) -> Path:
 
 
 def load_server(
-    bundle: Path, device: str, dtype: str, max_model_len: int, max_batch_size: int = 16, target: str | None = None, **options
+    bundle: Path,
+    device: str,
+    dtype: str,
+    max_model_len: int,
+    max_batch_size: int = 16,
+    target: str | None = None,
+    engine_process: bool = True,
+    adaptive_k: bool = True,
+    **options,
 ) -> "Server":
     """Verify the bundle (the same checks as `draftsmith bundle verify`, with `target` instead of the
-    recorded one if given), then load target and draft; `options` are the Server's (adaptive_k, smooth_stream,
-    the stop-string limits)."""
+    recorded one if given), then load target and draft: in a process of their own (engine_process), else in
+    this one; `options` are the Server's (smooth_stream, the stop-string limits)."""
     from transformers import AutoTokenizer
 
-    from draftsmith.serve.device import pick_device
-    from draftsmith.serve.engine import Engine
-    from draftsmith.serve.proposers import read_vocab
+    from draftsmith.serve.engine_process import EngineProcess
     from draftsmith.serve.server import Server
 
     spec = verify(bundle, target)
     target_dir = target_dir_of(bundle, target)
+    k = spec["num_speculative_tokens"]
+    load = partial(load_scheduler, bundle, device, dtype, max_model_len, max_batch_size, target, adaptive_k)
+    engine = EngineProcess(load) if engine_process else load().engine
+    reference = bundle / TARGET_JSON
+    name = json.loads(reference.read_text())["name_or_path"] if reference.is_file() else target_dir.name
+    return Server(engine, AutoTokenizer.from_pretrained(target_dir), str(name), k, max_model_len, adaptive_k=adaptive_k, **options)
+
+
+def load_scheduler(
+    bundle: Path, device: str, dtype: str, max_model_len: int, max_batch_size: int, target: str | None, adaptive_k: bool
+) -> "Scheduler":
+    """The bundle's target and draft in an engine, under a scheduler with the bundle's K (the bundle verified already)."""
+    from draftsmith.serve.device import pick_device
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.proposers import read_vocab
+    from draftsmith.serve.scheduler import Scheduler
+
+    spec = json.loads((bundle / SPECULATIVE_CONFIG).read_text())
     device = pick_device(device)
     engine = Engine.load(
-        target_dir,
+        target_dir_of(bundle, target),
         bundle / spec["model"],
         dtype=dtype if device != "cpu" else "float32",
         device=device,
@@ -74,6 +100,4 @@ def load_server(
         draft_vocab=read_vocab(bundle),
         max_seq_len=max_model_len + spec["num_speculative_tokens"] + 1,
     )
-    reference = bundle / TARGET_JSON
-    name = json.loads(reference.read_text())["name_or_path"] if reference.is_file() else target_dir.name
-    return Server(engine, AutoTokenizer.from_pretrained(target_dir), str(name), spec["num_speculative_tokens"], max_model_len, **options)
+    return Scheduler(engine, spec["num_speculative_tokens"], adaptive=adaptive_k)

@@ -72,6 +72,38 @@ class Logprobs:
             self.top_tokens += list(zip(top_ids.tolist(), values.tolist()))
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What requests must fit: the target's vocabulary, the cache's slots and the batch's rows (a process that
+    holds no engine checks requests against its engine's limits with these)."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_batch_size: int
+
+    def check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int, can_draft: bool) -> None:
+        """EngineError for requests the engine cannot serve as asked."""
+        if not prompts:
+            raise EngineError("no prompts given")
+        if len(prompts) > self.max_batch_size:
+            raise EngineError(f"{len(prompts)} prompts exceed max_batch_size {self.max_batch_size}")
+        if k > 0 and not can_draft:
+            raise EngineError("num_speculative_tokens > 0 needs a draft model or another proposer")
+        vocab = self.vocab_size
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not prompt:
+                raise EngineError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+            if any(not 0 <= token < vocab for token, _ in p.logit_bias):
+                raise EngineError(f"prompt {i}: logit_bias names token ids outside the vocabulary [0, {vocab})")
+            if len(prompt) + p.max_new_tokens + k + 1 > self.max_seq_len:
+                raise EngineError(
+                    f"prompt {i}: {len(prompt)} prompt tokens + {p.max_new_tokens} new tokens "
+                    f"+ {k + 1} speculative slots exceed max_seq_len {self.max_seq_len}"
+                )
+
+
 @dataclass
 class Launched:
     """A step queued on the device, with its accepted counts and tokens on their way to host memory:
@@ -248,26 +280,12 @@ class Engine:
         kwargs.setdefault("max_seq_len", min(2048, read_config(target_dir).get("max_position_embeddings", 2048)))
         return cls(target, draft, eos_token_ids=eos_ids_of(target_dir), detokenize=detokenizer_of(target_dir), **kwargs)
 
+    @property
+    def limits(self) -> "Limits":
+        return Limits(self.target.args.vocab_size, self.max_seq_len, self.max_batch_size)
+
     def check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int, proposer: Proposer | None) -> None:
-        if not prompts:
-            raise EngineError("no prompts given")
-        if len(prompts) > self.max_batch_size:
-            raise EngineError(f"{len(prompts)} prompts exceed max_batch_size {self.max_batch_size}")
-        if k > 0 and proposer is None:
-            raise EngineError("num_speculative_tokens > 0 needs a draft model or another proposer")
-        vocab = self.target.args.vocab_size
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            if not prompt:
-                raise EngineError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
-            if any(not 0 <= token < vocab for token, _ in p.logit_bias):
-                raise EngineError(f"prompt {i}: logit_bias names token ids outside the vocabulary [0, {vocab})")
-            if len(prompt) + p.max_new_tokens + k + 1 > self.max_seq_len:
-                raise EngineError(
-                    f"prompt {i}: {len(prompt)} prompt tokens + {p.max_new_tokens} new tokens "
-                    f"+ {k + 1} speculative slots exceed max_seq_len {self.max_seq_len}"
-                )
+        self.limits.check(prompts, params, k, proposer is not None)
 
     @torch.inference_mode()
     def prefill(

@@ -55,12 +55,12 @@ def add_routes(app: FastAPI, server: "Server") -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         if server.failed is not None:
-            return JSONResponse(status_code=500, content={"status": "failed", "error": f"the warm-up failed: {server.failed}"})
+            return JSONResponse(status_code=500, content={"status": "failed", "error": server.failure})
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        content = {"ready": server.ready} | ({"error": f"the warm-up failed: {server.failed}"} if server.failed else {})
+        content = {"ready": server.ready} | ({"error": server.failure} if server.failed else {})
         return JSONResponse(status_code=200 if server.ready else 503, content=content)
 
     @app.get("/metrics")

@@ -199,10 +199,14 @@ class Scheduler:
                 if not self.waiting and not self.num_running and self.in_flight is None:
                     self.wake.wait(timeout=0.1)
                     continue
-            try:
-                self.step()
-            except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving the next ones
-                self._fail_running(e)
+            self.step_or_fail()
+
+    def step_or_fail(self) -> None:
+        """A step; if it raises, the running requests fail with its error and the next ones are served."""
+        try:
+            self.step()
+        except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving the next ones
+            self._fail_running(e)
 
     def _fail_running(self, error: Exception) -> None:
         self.in_flight = None

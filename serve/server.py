@@ -20,6 +20,7 @@ from typing import Callable
 from fastapi import FastAPI
 
 from draftsmith.serve.engine import Engine
+from draftsmith.serve.engine_process import EngineProcess
 from draftsmith.serve.metrics import Metrics
 from draftsmith.serve.middleware import BodyGuard
 from draftsmith.serve.protocol import ChatRequest, CompletionRequest, chat_token_ids
@@ -34,12 +35,22 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096
 
 
+def console_log() -> None:
+    """draftsmith's own INFO lines (the server's warm-up) on stderr, not those of the libraries it uses."""
+    log = logging.getLogger("draftsmith")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 class Server:
     """The engine and its scheduler on their own thread, the tokenizer, and the metrics: what the routes use."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: "Engine | EngineProcess",
         tokenizer,
         model_name: str,
         num_speculative_tokens: int,
@@ -49,19 +60,28 @@ class Server:
         max_stop_strings: int = MAX_STOP_STRINGS,
         max_stop_chars: int = MAX_STOP_CHARS,
     ):
+        """engine: an Engine, which a scheduler runs on a thread of this process, or an EngineProcess, whose
+        scheduler runs in a process of its own (made with num_speculative_tokens and adaptive_k, which
+        apply here to an Engine only)."""
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.k, self.smooth_stream = num_speculative_tokens, smooth_stream
         self.max_stop_strings, self.max_stop_chars = max_stop_strings, max_stop_chars
-        self.vocab_size = engine.target.args.vocab_size
-        if engine.detokenize is None:  # stop strings are matched on the text the client gets
-            engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, num_speculative_tokens, adaptive=adaptive_k, on_step=self.metrics.count_step)
+        if isinstance(engine, EngineProcess):
+            self.vocab_size = engine.limits.vocab_size
+            self.scheduler: Scheduler | EngineProcess = engine
+            engine.on_step = self.metrics.count_step
+        else:
+            self.vocab_size = engine.target.args.vocab_size
+            if engine.detokenize is None:  # stop strings are matched on the text the client gets
+                engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            self.scheduler = Scheduler(engine, num_speculative_tokens, adaptive=adaptive_k, on_step=self.metrics.count_step)
         self.metrics.running.set_function(lambda: self.scheduler.num_running)
         self.metrics.waiting.set_function(lambda: self.scheduler.num_waiting)
         self.ready = False
-        self.failed: Exception | None = None  # the warm-up's error: the server cannot serve
-        self.on_failure: Callable[[], None] | None = None  # told after a failed warm-up (the CLI exits)
+        self.failed: Exception | None = None  # the warm-up's error, or the engine's process's: the server cannot serve
+        self.failure = ""  # what failed, and why
+        self.on_failure: Callable[[], None] | None = None  # told after such a failure (the CLI exits)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -71,18 +91,18 @@ class Server:
         def run() -> None:
             try:
                 self.scheduler.warm_up()
+                # what loading and warm-up made lives as long as the server: out of the garbage collector's passes,
+                # each of which otherwise walked every object torch and transformers made and held the whole process
+                # (an 86 ms pause on a CPU, /health with it)
+                gc.freeze()
+                self.ready = True
+                self.scheduler.serve_forever(self._stop)
             except Exception as e:  # noqa: BLE001 - e.g. out of device memory: /health and /ready say so
-                log.exception("the warm-up failed")
-                self.failed = e
+                self.failure = f"{'the engine failed' if self.ready else 'the warm-up failed'}: {e}"
+                log.exception(self.failure)
+                self.ready, self.failed = False, e
                 if self.on_failure is not None:
                     self.on_failure()
-                return
-            # what loading and warm-up made lives as long as the server: out of the garbage collector's passes,
-            # each of which otherwise walked every object torch and transformers made and held the whole process
-            # (an 86 ms pause on a CPU, /health with it)
-            gc.freeze()
-            self.ready = True
-            self.scheduler.serve_forever(self._stop)
 
         self._thread = threading.Thread(target=run, name="engine", daemon=True)
         self._thread.start()

@@ -223,7 +223,7 @@ def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
     tmp, bundle, _ = published
     from_registry = resolve_bundle("models:/draftsmith-draft@champion", f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
     assert verify(from_registry) == verify(bundle)
-    server = load_server(from_registry, device="cpu", dtype="bfloat16", max_model_len=128)
+    server = load_server(from_registry, device="cpu", dtype="bfloat16", max_model_len=128, engine_process=False)
     assert server.k == json.loads((bundle / "speculative_config.json").read_text())["num_speculative_tokens"]
     assert server.scheduler.engine.draft is not None
     done = []
@@ -236,6 +236,77 @@ def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
     (broken / "draft" / "tokenizer.json").unlink()
     with pytest.raises(BundleError, match="missing file"):
         load_server(broken, device="cpu", dtype="bfloat16", max_model_len=128)
+
+
+def test_serve_steps_its_engine_in_a_process_of_its_own_with_the_same_replies(published):
+    # the HTTP server's work and the engine's no longer share an interpreter lock (issue 37): the engine steps
+    # in a process of its own; clients get what the engine in the server's own process gives, limits are
+    # checked at once, a client that goes away frees its row there, and an engine process that dies is told
+    import asyncio
+    import signal
+    import time
+
+    import httpx
+
+    from draftsmith.pipeline.serving import load_server
+    from draftsmith.serve.server import create_app
+
+    _, bundle, _ = published
+    body = {"prompt": "Card declined abroad", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "logprobs": 2, "n": 2}
+
+    async def replies(server) -> tuple[dict, str, httpx.Response]:
+        server.start()
+        while not server.ready:
+            assert server.failed is None, server.failed
+            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(server)), base_url="http://test") as http:
+            whole = (await http.post("/v1/completions", json=body)).json()
+            streamed = ""
+            async with http.stream("POST", "/v1/completions", json={**body, "n": 1, "stream": True}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        streamed += json.loads(line[6:])["choices"][0]["text"]
+            too_long = await http.post("/v1/completions", json={"prompt": [5] * 60, "max_tokens": 20})
+        return whole, streamed, too_long
+
+    here = load_server(bundle, device="cpu", dtype="float32", max_model_len=64, engine_process=False)
+    expected = asyncio.run(replies(here))
+    here.stop()
+    server = load_server(bundle, device="cpu", dtype="float32", max_model_len=64)
+    assert server.scheduler.pid != os.getpid()
+    whole, streamed, too_long = asyncio.run(replies(server))
+    assert [c["text"] for c in whole["choices"]] == [c["text"] for c in expected[0]["choices"]] and whole["usage"] == expected[0]["usage"]
+    for got, want in zip(whole["choices"], expected[0]["choices"]):
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    assert streamed == expected[1] == whole["choices"][0]["text"]
+    assert too_long.status_code == expected[2].status_code == 400 and too_long.json() == expected[2].json()
+
+    async def walk_away_then_kill() -> tuple[list[int], httpx.Response, httpx.Response]:
+        app = create_app(server)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            async with http.stream("POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        break  # the client goes away after its first chunk
+            running = []
+            for _ in range(40):
+                running.append(server.scheduler.num_running)
+                if running[-1] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            os.kill(server.scheduler.pid, signal.SIGKILL)
+            for _ in range(100):
+                if server.failed is not None:
+                    break
+                await asyncio.sleep(0.05)
+            return running, await http.get("/health"), await http.get("/ready")
+
+    started = time.perf_counter()
+    running, health, ready = asyncio.run(walk_away_then_kill())
+    assert running[-1] == 0 and time.perf_counter() - started < 10
+    assert health.status_code == 500 and "engine's process exited" in health.json()["error"] and ready.status_code == 503
+    server.stop()
 
 
 def test_bench_serve_compares_the_server_with_its_own_engine(published):
@@ -267,10 +338,10 @@ def test_bench_serve_compares_the_server_with_its_own_engine(published):
     rows = result["rows"]
     assert [(r["repeat"], r["concurrency"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert all(r["errors"] == 0 and r["requests"] >= 1 for r in rows)
-    for r in rows:  # both sides measured in this one process, each level's engine run right after its server run
+    for r in rows:  # each level's engine run in this process right after its server run
         assert r["engine_requests"] >= r["concurrency"] and r["engine_tokens_per_s"] > 0
         assert r["server_over_engine"] == round(r["tokens_per_s"] / r["engine_tokens_per_s"], 3)
-        # where the server's time went: the engine's thread computed in both runs; a thread is on one CPU at most
+        # where the time went: the engine process's stepping thread and this process's computed; a thread is on one CPU at most
         assert 0 < r["engine_busy"] <= 1.05 and 0 < r["engine_busy_alone"] <= 1.05 and 0 <= r["http_busy"] <= 1.05
     for level in result["medians"]:
         ratios = sorted(r["server_over_engine"] for r in rows if r["concurrency"] == level["concurrency"])
@@ -302,7 +373,7 @@ def test_a_copied_bundle_verifies_and_serves_with_the_target_given_elsewhere(pub
     assert verify(bundle, target)["method"] == "draft_model"
     done = draftsmith("bundle", "verify", str(bundle), "--target", str(target), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    server = load_server(bundle, device="cpu", dtype="float32", max_model_len=64, target=str(target))
+    server = load_server(bundle, device="cpu", dtype="float32", max_model_len=64, target=str(target), engine_process=False)
     assert server.scheduler.engine.draft is not None
     assert str(target) not in (bundle / "eval.json").read_text() and "/runs/" not in (bundle / "eval.json").read_text()
     assert 'TARGET="${TARGET:-' in (bundle / "serve.sh").read_text()
@@ -532,5 +603,5 @@ def test_a_bundle_written_before_the_glossary_rename_still_verifies_and_serves(b
     (bundle_copy / "eval_prompts.json").unlink()  # not shipped before
     write_manifest(bundle_copy)
     assert verify(bundle_copy)["num_speculative_tokens"] >= 1
-    server = load_server(bundle_copy, device="cpu", dtype="float32", max_model_len=64)
+    server = load_server(bundle_copy, device="cpu", dtype="float32", max_model_len=64, engine_process=False)
     assert server.k >= 1
