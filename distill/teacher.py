@@ -60,9 +60,10 @@ def response_row(
     return row
 
 
-def generate_shard_sharded(model, batch: list[dict], cfg: TeacherConfig, eos: frozenset[int], seed: int, sample: int) -> list[dict]:
-    """generate_shard's rows from the target sharded across the processes of a torchrun launch
-    (transformers' tensor parallelism, `model`): every rank runs the same batch, seeded alike, on logits
+def generate_shard_transformers(model, batch: list[dict], cfg: TeacherConfig, eos: frozenset[int], seed: int, sample: int) -> list[dict]:
+    """generate_shard's rows from the target in transformers (`model`): a family draftsmith's runtime does
+    not implement (target.fallback), or the target sharded across the processes of a torchrun launch
+    (transformers' tensor parallelism), where every rank runs the same batch, seeded alike, on logits
     gathered whole, so every rank draws the same tokens. Prompts are left-padded; sequences run on past
     EOS and are cut after it, as generate_shard's."""
     import torch
@@ -161,7 +162,12 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
 
         model = load_sharded(target_dir, dtype, device)
         dist.barrier()  # every rank has listed the finished shards
-        generate = lambda n, sample, batch: generate_shard_sharded(model, batch, t, eos_ids, cfg.seed + n, sample)
+        generate = lambda n, sample, batch: generate_shard_transformers(model, batch, t, eos_ids, cfg.seed + n, sample)
+    elif load_reference(inputs["target"]).get("runtime") == "transformers":  # target.fallback: generate() keeps a KV cache
+        from draftsmith.serve.transformers_model import load_transformers_model
+
+        model = load_transformers_model(target_dir, dtype, device).hf
+        generate = lambda n, sample, batch: generate_shard_transformers(model, batch, t, eos_ids, cfg.seed + n, sample)
     else:
         engine = Engine(load_model(target_dir, dtype, device), max_batch_size=t.batch_size, max_seq_len=longest + t.max_new_tokens + 2)
         generate = lambda n, sample, batch: generate_shard(engine, batch, t, eos_ids, cfg.seed + n, sample)

@@ -32,7 +32,7 @@ from draftsmith.serve.device import compute_dtype, pick_device
 from draftsmith.serve.engine import Engine, detokenizer_of, eos_ids_of, load_draft
 from draftsmith.serve.proposers import PromptLookup, read_vocab
 from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.weights import load_model
+from draftsmith.serve.transformers_model import load_any
 
 PROMPT_LOOKUP = "prompt_lookup"
 EVAL_PROMPTS = "eval_prompts.json"  # the held-out prompts' token ids, shipped in the bundle
@@ -253,14 +253,17 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
 
     e = cfg.evaluate
     device = pick_device(cfg.device.value)
-    target_dir = Path(load_reference(inputs["target"])["path"])
+    reference = load_reference(inputs["target"])
+    target_dir = Path(reference["path"])
     dtype = compute_dtype(cfg.target.dtype.value, device)
-    ev = Evaluation(e, device, dtype, target_dir, load_model(target_dir, dtype, device), held_out_prompts(e, inputs["data"]))
+    if reference.get("runtime") == "transformers":
+        log.warning("evaluate: the target runs through transformers (target.fallback): its step costs, and the K chosen from them, are that fallback's")
+    ev = Evaluation(e, device, dtype, target_dir, load_any(target_dir, dtype, device), held_out_prompts(e, inputs["data"]))
     dirs, vocab = draft_dirs(inputs), read_vocab(inputs["distill"].path)
     shipped = next(iter(dirs))
     names = [*dirs, PROMPT_LOOKUP]
     temperatures = [0.0, e.temperature]
-    drafts = {name: load_draft(dirs[name], dtype, device, vocab) if name in dirs else None for name in names}
+    drafts = {name: load_draft(dirs[name], dtype, device, vocab, fallback=True) if name in dirs else None for name in names}
     with Progress() as progress:
         task = progress.add_task("evaluate", total=len(temperatures) + len(names) + 2)
         plain = ev.engine()

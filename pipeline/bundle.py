@@ -317,14 +317,14 @@ def _head_problems(head_dir: Path, target_config: dict) -> list[str]:
     import torch
 
     from draftsmith.serve.eagle import fit_problems, load_head
-    from draftsmith.serve.model import ModelArgs
+    from draftsmith.serve.model import ModelShape
 
     for file in sorted(head_dir.glob("*.safetensors")):
         if (wrong := safetensors_header(file)[1]) is not None:
             return [f"EAGLE-3 head: draft/{file.name} is {wrong}"]
     try:
         head = load_head(head_dir, torch.float32, "cpu")
-        target_args = ModelArgs.from_hf_config(target_config)
+        target_args = ModelShape.of(target_config)  # any family: a target run through transformers too
     except Exception as e:  # noqa: BLE001 - whatever is wrong with the files, verify names it in one line
         return [f"EAGLE-3 head: {str(e).splitlines()[0] if str(e) else type(e).__name__}"]
     return [f"EAGLE-3 head does not fit the target: {p}" for p in fit_problems(head.args, head.shape, target_args)]

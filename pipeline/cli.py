@@ -325,6 +325,7 @@ def serve(
 
     from draftsmith.pipeline.bundle import BundleError
     from draftsmith.pipeline.serving import BundleSourceError, load_server, resolve_bundle
+    from draftsmith.serve.engine_process import EngineProcessError
     from draftsmith.serve.server import console_log, create_app
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('runs/demo/mlflow.db').resolve()}"
@@ -345,7 +346,7 @@ def serve(
             smooth_stream=smooth_stream,
             **limits,
         )
-    except (BundleError, BundleSourceError) as e:
+    except (BundleError, BundleSourceError, EngineProcessError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None
     console_log()

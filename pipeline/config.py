@@ -36,6 +36,11 @@ class Rounding(str, enum.Enum):
     # columns not yet rounded (GPTQ)
 
 
+class Fallback(str, enum.Enum):
+    transformers = "transformers"  # a family draftsmith's runtime does not implement runs through transformers (slower)
+    refuse = "refuse"  # such a family fails at the target stage
+
+
 class Device(str, enum.Enum):
     auto = "auto"
     cpu = "cpu"
@@ -75,6 +80,9 @@ class TargetConfig:
     gguf_file: Optional[str] = None
     dtype: Dtype = MISSING
     cache_dir: str = MISSING
+    # a family the runtime does not implement: the teacher and evaluate stages run it through transformers
+    # (slower; `draftsmith serve` refuses it, vLLM serves the bundle), or the target stage refuses it
+    fallback: Fallback = Fallback.transformers
 
 
 @dataclass

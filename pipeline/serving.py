@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 class BundleSourceError(ValueError):
-    """`draftsmith serve` was given something that is neither a bundle dir nor a models:/ URI."""
+    """`draftsmith serve` was given something that is neither a bundle dir nor a models:/ URI, or a bundle whose
+    target's family its runtime does not implement."""
 
 
 def resolve_bundle(source: str, tracking_uri: str | None = None) -> Path:
@@ -68,10 +69,16 @@ def load_server(
     from transformers import AutoTokenizer
 
     from draftsmith.serve.engine_process import EngineProcess
+    from draftsmith.serve.model import ModelArgs, UnsupportedModelError
     from draftsmith.serve.server import Server
+    from draftsmith.serve.weights import read_config
 
     spec = verify(bundle, target)
     target_dir = target_dir_of(bundle, target)
+    try:
+        ModelArgs.from_hf_config(read_config(target_dir))
+    except UnsupportedModelError as e:  # made with target.fallback=transformers
+        raise BundleSourceError(f"{e}: draftsmith serve runs targets in its own model code only; serve this bundle with vLLM (serve.sh)") from None
     k = spec["num_speculative_tokens"]
     load = partial(load_scheduler, bundle, device, dtype, max_model_len, max_batch_size, target, adaptive_k)
     engine = EngineProcess(load) if engine_process else load().engine

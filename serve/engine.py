@@ -31,11 +31,20 @@ from draftsmith.serve.stops import Detokenize, StopChecker
 from draftsmith.serve.weights import load_model, read_config
 
 
-def load_draft(path: Path, dtype: torch.dtype, device: str | torch.device, vocab: Sequence[int] | None = None) -> Transformer | EagleHead:
-    """A draft dir: an EAGLE-3 head (speculators format) or a draft model, proposing from `vocab` if given."""
+def load_draft(
+    path: Path, dtype: torch.dtype, device: str | torch.device, vocab: Sequence[int] | None = None, fallback: bool = False
+) -> Transformer | EagleHead:
+    """A draft dir: an EAGLE-3 head (speculators format) or a draft model, proposing from `vocab` if given;
+    fallback: a draft model of a family the runtime does not implement runs in transformers (the pipeline's
+    evaluate stage; serve/transformers_model.py)."""
     if is_eagle_dir(path):
         return load_head(path, dtype, device)
-    draft = load_model(path, dtype, device)
+    if fallback:
+        from draftsmith.serve.transformers_model import load_any
+
+        draft = load_any(path, dtype, device)
+    else:
+        draft = load_model(path, dtype, device)
     if vocab is not None:
         draft.use_vocab(torch.tensor(list(vocab)))
     return draft
@@ -211,6 +220,7 @@ class Engine:
             )
         self.target, self.draft = target, draft
         self.device = target.output.weight.device
+        cuda_graphs = cuda_graphs and all(model.graphable for model in (target, draft) if model is not None)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.eos_token_ids, self.detokenize, self.verify = eos_token_ids, detokenize, verify
         # launch each step before reading the last one's tokens (Launched): on a GPU the host's work then
@@ -225,7 +235,7 @@ class Engine:
                 self.caches.append((model, model.setup_cache(max_batch_size, max_seq_len)))
         self.hidden_layers = draft.aux_layers if self.eagle else ()  # what the target hands an EAGLE-3 head
         self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks, hidden_layers=self.hidden_layers)
-        self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if isinstance(draft, Transformer) else None
+        self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if draft is not None and not self.eagle else None
         self.target_prefill = GraphedPrefill(target, self.hidden_layers, cuda_graphs)
         # a joining request's prefill holds up every running row: the draft model's runs as a graph too
         self.draft_prefill = GraphedPrefill(draft, (), cuda_graphs) if self.draft_forward is not None else None

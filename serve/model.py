@@ -153,6 +153,31 @@ class ModelArgs:
         return self.windows[layer] if self.windows else None
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """A causal LM's shape as its config.json states it, for any family (what an EAGLE-3 head's fit and a
+    model run through transformers need; ModelArgs, the runtime's, only for the families it implements)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def of(cls, cfg: dict[str, Any]) -> "ModelShape":
+        text = cfg.get("text_config", cfg)
+        return cls(
+            cfg["model_type"],
+            text["vocab_size"],
+            text["hidden_size"],
+            text["num_hidden_layers"],
+            text.get("max_position_embeddings", 2048),
+            bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        )
+
+
 def rope_inv_freq(rope: Rope, dim: int, max_position_embeddings: int, seq_len: int | None = None) -> tuple[Tensor, float]:
     """Inverse frequencies [dim / 2] of a RoPE and the factor on cos and sin (yarn's and longrope's
     attention factor, 1 otherwise). seq_len: the longest sequence the tables cover (dynamic NTK scales for it;
@@ -440,6 +465,7 @@ class CachedModel(nn.Module):
 
     args: ModelArgs
     cache_state: CacheState  # the cache in use (setup_cache, use_cache)
+    graphable = True  # its forwards can be captured as CUDA graphs and compiled
 
     @property
     def max_batch_size(self) -> int:

@@ -14,7 +14,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker (and per pipe
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "smollm2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "smollm2")  # the runtime's; tiny_config
+# also makes "granite", which the runtime does not implement (the transformers fallback's tests)
 
 
 def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
@@ -73,6 +74,12 @@ def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
             "original_max_position_embeddings": 256,
         }
         return Phi3Config(**common, tie_word_embeddings=False, rope_parameters=longrope, original_max_position_embeddings=256)
+    if family == "granite":  # not in the runtime (multipliers on embeddings, residuals, attention, logits): the fallback's
+        from transformers import GraniteConfig
+
+        return GraniteConfig(
+            **common, tie_word_embeddings=True, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0
+        )
     if family == "smollm2":  # SmolLM2's shape in miniature: tied, 3:1 GQA, head_dim 16
         return LlamaConfig(
             **{**common, "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96},

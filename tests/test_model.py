@@ -121,3 +121,42 @@ def test_greedy_output_equals_transformers_token_for_token(tiny_models, family):
     params = SamplingParams(max_new_tokens=30)
     assert [c.tokens for c in engine.generate(prompts, params).completions] == expected
     assert engine.generate(prompts[1:2], params).completions[0].tokens == expected[1]
+
+
+def test_a_family_the_runtime_does_not_implement_decodes_through_transformers(tmp_path):
+    # target.fallback=transformers: Granite (multipliers on embeddings, residuals, attention and logits) behind the
+    # runtime's model interface decodes as transformers' generate does, batched and alone, plainly and
+    # speculatively with a draft of its own first layer and with an EAGLE-3 head, on the same engine code
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.serve.engine import Engine, load_draft
+    from draftsmith.serve.model import UnsupportedModelError
+    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.transformers_model import TransformersModel, load_any
+    from tests.conftest import save_tiny_head, save_tiny_model, save_truncated_draft
+
+    target_dir = save_tiny_model(tmp_path / "granite", "granite", seed=5)
+    draft_dir = save_truncated_draft(target_dir, tmp_path / "draft", keep_layers=1)
+    with pytest.raises(UnsupportedModelError, match="granite"):
+        load_model(target_dir, torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 12, 3, 9)]
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(prompt) :].tolist())
+    target = load_any(target_dir, torch.float32, "cpu")
+    assert isinstance(target, TransformersModel)
+    params = SamplingParams(max_new_tokens=20)
+    plain = Engine(target, None, max_batch_size=4, max_seq_len=64)
+    assert [c.tokens for c in plain.generate(prompts, params).completions] == expected
+    assert plain.generate(prompts[1:2], params).completions[0].tokens == expected[1]
+    head = load_draft(save_tiny_head(target_dir, tmp_path / "head", seed=1), torch.float32, "cpu")
+    for draft in (load_draft(draft_dir, torch.float32, "cpu", fallback=True), head):
+        speculative = Engine(target, draft, max_batch_size=4, max_seq_len=64)
+        for k in (1, 3):
+            got = speculative.generate(prompts, params, num_speculative_tokens=k)
+            assert [c.tokens for c in got.completions] == expected, f"{type(draft).__name__}, K={k}"
+    assert got.stats.num_drafts > 0

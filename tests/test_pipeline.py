@@ -189,24 +189,34 @@ def test_the_sweep_table_ranks_jobs_by_measured_speed_and_failed_jobs_last(tmp_p
     assert "failed" in rows[2] and "preset=gpu" not in "".join(rows)  # the overrides every job shares are not repeated
 
 
-def test_an_unsupported_family_is_refused_at_the_target_stage_before_its_weights_are_read(tiny_chat_target, tmp_path):
+@pytest.mark.parametrize(
+    "fallback,model_type,says",
+    [
+        ("refuse", "gpt_neox", "set target.fallback=transformers"),  # transformers could run it: refused as configured
+        ("transformers", "no_such_family", "transformers has no causal LM for model_type 'no_such_family'"),
+    ],
+)
+def test_an_unsupported_family_is_refused_at_the_target_stage_before_its_weights_are_read(tiny_chat_target, tmp_path, fallback, model_type, says):
+    # (the transformers fallback running a family end to end: tests/test_publish.py, Granite)
     import shutil
 
-    target = tmp_path / "gpt-neox"
+    target = tmp_path / model_type
     shutil.copytree(tiny_chat_target, target)
     config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
+    (target / "config.json").write_text(json.dumps({**config, "model_type": model_type, "architectures": ["GPTNeoXForCausalLM"]}))
     (target / "model.safetensors").unlink()
     (target / "model.safetensors").symlink_to(tmp_path / "nowhere")  # hashing it would fail with another error
     done = draftsmith_run(
         "experiment=t",
         "target=hf",
         f"target.name_or_path={target}",
+        f"target.fallback={fallback}",
         f"paths.root={tmp_path / 'runs'}",
         "tracking.enabled=false",
         *SMALL,
         cwd=tmp_path,
     )
     assert done.returncode == 1 and "stage 'target' failed" in done.stdout
-    assert "model_type 'gpt_neox' is not supported" in done.stdout and "qwen3" in done.stdout and "gemma2" in done.stdout
+    assert f"model_type '{model_type}' is not supported" in done.stdout and "qwen3" in done.stdout and "gemma2" in done.stdout
+    assert says in " ".join(done.stdout.split())
     assert not (tmp_path / "runs" / "data").exists()  # nothing ran after it

@@ -564,10 +564,13 @@ def test_registry_commands_find_the_store_as_run_does_and_create_nothing(publish
     assert wrong.returncode == 2 and "configuration error" in wrong.stderr
 
 
-@pytest.mark.parametrize("family,draft", [("gemma2", "from_target"), ("phi3", "from_target"), ("qwen3", "eagle3")])
+@pytest.mark.parametrize(
+    "family,draft", [("gemma2", "from_target"), ("phi3", "from_target"), ("qwen3", "eagle3"), ("granite", "from_target"), ("granite", "eagle3")]
+)
 def test_the_pipeline_publishes_a_verified_bundle_for_each_family(family, draft, demo_target_dir, tmp_path):
     # the stages run every family in the runtime's own code: teacher, distillation, AWQ (each family's smoothing
-    # pairs), evaluation and publish, whose bundle check derives the draft's tensors from its own config
+    # pairs), evaluation and publish, whose bundle check derives the draft's tensors from its own config; a family
+    # the runtime does not implement (Granite) runs through transformers (target.fallback), and serve refuses it
     from draftsmith.distill.tokenizer import copy_tokenizer_files
     from tests.conftest import save_tiny_model
 
@@ -576,8 +579,9 @@ def test_the_pipeline_publishes_a_verified_bundle_for_each_family(family, draft,
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}))
     args = [a for a in pipeline_args(target, tmp_path / "runs") if not a.startswith("evaluate.max_speculative_tokens")]
+    on_policy = ["distill.on_policy_fraction=0.5"] if family == "granite" and draft == "from_target" else []  # sampled in transformers
     done = draftsmith(
-        *args, f"draft={draft}", "draft.vocab_size=512", "evaluate.max_speculative_tokens=2", "tracking.enabled=false", cwd=tmp_path
+        *args, f"draft={draft}", "draft.vocab_size=512", "evaluate.max_speculative_tokens=2", "tracking.enabled=false", *on_policy, cwd=tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     bundle = next((tmp_path / "runs" / "publish").glob("*/bundle"))
@@ -586,6 +590,11 @@ def test_the_pipeline_publishes_a_verified_bundle_for_each_family(family, draft,
     if draft == "from_target":
         draft_config = json.loads((bundle / "draft" / "config.json").read_text())
         assert draft_config["model_type"] == config["model_type"] and draft_config["quantization_config"]["format"] == "pack-quantized"
+    assert json.loads((bundle / "target.json").read_text())["runtime"] == ("transformers" if family == "granite" else "draftsmith")
+    if family == "granite":
+        assert "through transformers" in done.stdout + done.stderr  # it says so
+        refused = draftsmith("serve", str(bundle), "--device", "cpu", cwd=tmp_path)
+        assert refused.returncode == 1 and "model_type 'granite' is not supported" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_a_bundle_written_before_the_glossary_rename_still_verifies_and_serves(bundle_copy):
