@@ -257,7 +257,9 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     target_dir = Path(reference["path"])
     dtype = compute_dtype(cfg.target.dtype.value, device)
     if reference.get("runtime") == "transformers":
-        log.warning("evaluate: the target runs through transformers (target.fallback): its step costs, and the K chosen from them, are that fallback's")
+        log.warning(
+            "evaluate: the target runs through transformers (target.fallback): its step costs, and the K chosen from them, are that fallback's"
+        )
     ev = Evaluation(e, device, dtype, target_dir, load_any(target_dir, dtype, device), held_out_prompts(e, inputs["data"]))
     dirs, vocab = draft_dirs(inputs), read_vocab(inputs["distill"].path)
     shipped = next(iter(dirs))

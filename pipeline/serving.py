@@ -4,8 +4,8 @@ server. (The runtime, serve/, reads no bundle: this is where a bundle becomes an
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from draftsmith.pipeline.bundle import SPECULATIVE_CONFIG, TARGET_JSON, target_dir_of, verify
@@ -78,7 +78,9 @@ def load_server(
     try:
         ModelArgs.from_hf_config(read_config(target_dir))
     except UnsupportedModelError as e:  # made with target.fallback=transformers
-        raise BundleSourceError(f"{e}: draftsmith serve runs targets in its own model code only; serve this bundle with vLLM (serve.sh)") from None
+        raise BundleSourceError(
+            f"{e}: draftsmith serve runs targets in its own model code only; serve this bundle with vLLM (serve.sh)"
+        ) from None
     k = spec["num_speculative_tokens"]
     load = partial(load_scheduler, bundle, device, dtype, max_model_len, max_batch_size, target, adaptive_k)
     engine = EngineProcess(load) if engine_process else load().engine

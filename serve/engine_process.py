@@ -169,8 +169,14 @@ class EngineProcess:
 
 def run_engine(build: Callable[[], Scheduler], requests: Connection, events: Connection) -> None:
     """The engine's process: load, tell the limits, warm up, tell ready, then step, reading requests between steps."""
+    import signal
+
     from draftsmith.serve.server import console_log
 
+    # the server's process decides when this one ends (a Ctrl-C or a SIGTERM to the whole group lets it drain
+    # first); it ends on its own when the server's end of the pipes closes
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     console_log()
     try:
         scheduler = build()

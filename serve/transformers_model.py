@@ -40,7 +40,9 @@ class TransformersModel(CachedModel):
         self.vocab: Tensor | None = None  # the token ids a draft proposes from (use_vocab)
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> TokenHistory:
-        state = TokenHistory(torch.zeros(max_batch_size, max_seq_len + 1, dtype=torch.long, device=self.output.weight.device), max_batch_size, max_seq_len)
+        state = TokenHistory(
+            torch.zeros(max_batch_size, max_seq_len + 1, dtype=torch.long, device=self.output.weight.device), max_batch_size, max_seq_len
+        )
         self.use_cache(state)
         return state
 
@@ -84,6 +86,7 @@ class TransformersModel(CachedModel):
             return logits
         every = slots.unsqueeze(-1).expand(-1, -1, self.args.hidden_size)  # hidden states at all T positions
         return logits, torch.cat([out.hidden_states[i].gather(1, every) for i in hidden_layers], dim=-1)
+
 
 def load_transformers_model(path: Path, dtype: torch.dtype, device: str | torch.device) -> TransformersModel:
     """An HF dir's model in transformers (safetensors only; a compressed-tensors W4A16 / W8A16 draft

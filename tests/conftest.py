@@ -78,7 +78,12 @@ def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
         from transformers import GraniteConfig
 
         return GraniteConfig(
-            **common, tie_word_embeddings=True, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0
+            **common,
+            tie_word_embeddings=True,
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
         )
     if family == "smollm2":  # SmolLM2's shape in miniature: tied, 3:1 GQA, head_dim 16
         return LlamaConfig(

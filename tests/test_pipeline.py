@@ -196,7 +196,9 @@ def test_the_sweep_table_ranks_jobs_by_measured_speed_and_failed_jobs_last(tmp_p
         ("transformers", "no_such_family", "transformers has no causal LM for model_type 'no_such_family'"),
     ],
 )
-def test_an_unsupported_family_is_refused_at_the_target_stage_before_its_weights_are_read(tiny_chat_target, tmp_path, fallback, model_type, says):
+def test_an_unsupported_family_is_refused_at_the_target_stage_before_its_weights_are_read(
+    tiny_chat_target, tmp_path, fallback, model_type, says
+):
     # (the transformers fallback running a family end to end: tests/test_publish.py, Granite)
     import shutil
 

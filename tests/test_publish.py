@@ -285,7 +285,9 @@ def test_serve_steps_its_engine_in_a_process_of_its_own_with_the_same_replies(pu
     async def walk_away_then_kill() -> tuple[list[int], httpx.Response, httpx.Response]:
         app = create_app(server)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-            async with http.stream("POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+            async with http.stream(
+                "POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
+            ) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
                         break  # the client goes away after its first chunk
@@ -565,7 +567,8 @@ def test_registry_commands_find_the_store_as_run_does_and_create_nothing(publish
 
 
 @pytest.mark.parametrize(
-    "family,draft", [("gemma2", "from_target"), ("phi3", "from_target"), ("qwen3", "eagle3"), ("granite", "from_target"), ("granite", "eagle3")]
+    "family,draft",
+    [("gemma2", "from_target"), ("phi3", "from_target"), ("qwen3", "eagle3"), ("granite", "from_target"), ("granite", "eagle3")],
 )
 def test_the_pipeline_publishes_a_verified_bundle_for_each_family(family, draft, demo_target_dir, tmp_path):
     # the stages run every family in the runtime's own code: teacher, distillation, AWQ (each family's smoothing
@@ -581,7 +584,13 @@ def test_the_pipeline_publishes_a_verified_bundle_for_each_family(family, draft,
     args = [a for a in pipeline_args(target, tmp_path / "runs") if not a.startswith("evaluate.max_speculative_tokens")]
     on_policy = ["distill.on_policy_fraction=0.5"] if family == "granite" and draft == "from_target" else []  # sampled in transformers
     done = draftsmith(
-        *args, f"draft={draft}", "draft.vocab_size=512", "evaluate.max_speculative_tokens=2", "tracking.enabled=false", *on_policy, cwd=tmp_path
+        *args,
+        f"draft={draft}",
+        "draft.vocab_size=512",
+        "evaluate.max_speculative_tokens=2",
+        "tracking.enabled=false",
+        *on_policy,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     bundle = next((tmp_path / "runs" / "publish").glob("*/bundle"))
