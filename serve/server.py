@@ -2,10 +2,10 @@
 
 Endpoints (serve/routes.py): /v1/completions, /v1/chat/completions (the target's chat template), both with
 SSE streaming in OpenAI's chunk format (serve/streaming.py); /v1/models, /health, /ready, /metrics
-(serve/metrics.py). Requests are continuously batched by serve.scheduler on one engine thread; K adapts
-per step (see there). Bad input gets a 4xx with an OpenAI-style error body (serve/protocol.py) and the
-server keeps serving; a client that goes away frees its row. The API key and body size are checked in
-front of it all (serve/middleware.py).
+(serve/metrics.py). Requests are continuously batched by serve.scheduler, which `draftsmith serve` runs in a
+process of its own (serve/engine_process.py); K adapts per step (see there). Bad input gets a 4xx with an
+OpenAI-style error body (serve/protocol.py) and the server keeps serving; a client that goes away frees its
+row. The API key and body size are checked in front of it all (serve/middleware.py).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def console_log() -> None:
 
 
 class Server:
-    """The engine and its scheduler on their own thread, the tokenizer, and the metrics: what the routes use."""
+    """The engine's scheduler (on a thread of this process, or in a process of its own), the tokenizer, and the
+    metrics: what the routes use."""
 
     def __init__(
         self,
