@@ -26,12 +26,10 @@ class DraftSampler:
     def __call__(self, model, prompts: list[list[int]], lengths: list[int], eos: Collection[int], seed: int) -> list[list[int]]:
         from peft import PeftModel
 
-        from draftsmith.serve.model import ModelArgs, UnsupportedModelError
+        from draftsmith.serve.model import runtime_refusal
 
-        try:  # the runtime samples a draft of a family it implements; transformers any other, and LoRA-wrapped ones
-            runs_natively = not isinstance(model, PeftModel) and ModelArgs.from_hf_config(model.config.to_dict()) is not None
-        except UnsupportedModelError:
-            runs_natively = False
+        # the runtime samples a draft of a family it implements; transformers any other, and LoRA-wrapped ones
+        runs_natively = not isinstance(model, PeftModel) and runtime_refusal(model.config.to_dict()) is None
         sample = self._engine_sample if runs_natively else self._generate
         continuations = []
         for row, length in zip(sample(model, prompts, lengths, seed), lengths):

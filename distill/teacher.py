@@ -143,7 +143,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     from rich.progress import Progress
 
     t = cfg.distill.teacher
-    target_dir = Path(load_reference(inputs["target"])["path"])
+    reference = load_reference(inputs["target"])
+    target_dir = Path(reference["path"])
     prompts = sorted(load_prompts(inputs["data"]).to_list(), key=lambda r: (len(r["prompt_ids"]), r["id"]))
     device = pick_device(cfg.device.value)
     longest = max(len(r["prompt_ids"]) for r in prompts)
@@ -163,7 +164,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         model = load_sharded(target_dir, dtype, device)
         dist.barrier()  # every rank has listed the finished shards
         generate = lambda n, sample, batch: generate_shard_transformers(model, batch, t, eos_ids, cfg.seed + n, sample)
-    elif load_reference(inputs["target"]).get("runtime") == "transformers":  # target.fallback: generate() keeps a KV cache
+    elif reference.get("runtime") == "transformers":  # target.fallback: generate() keeps a KV cache
         from draftsmith.serve.transformers_model import load_transformers_model
 
         model = load_transformers_model(target_dir, dtype, device).hf

@@ -69,18 +69,16 @@ def load_server(
     from transformers import AutoTokenizer
 
     from draftsmith.serve.engine_process import EngineProcess
-    from draftsmith.serve.model import ModelArgs, UnsupportedModelError
+    from draftsmith.serve.model import runtime_refusal
     from draftsmith.serve.server import Server
     from draftsmith.serve.weights import read_config
 
     spec = verify(bundle, target)
     target_dir = target_dir_of(bundle, target)
-    try:
-        ModelArgs.from_hf_config(read_config(target_dir))
-    except UnsupportedModelError as e:  # made with target.fallback=transformers
+    if (refusal := runtime_refusal(read_config(target_dir))) is not None:  # made with target.fallback=transformers
         raise BundleSourceError(
-            f"{e}: draftsmith serve runs targets in its own model code only; serve this bundle with vLLM (serve.sh)"
-        ) from None
+            f"{refusal}: draftsmith serve runs targets in its own model code only; serve this bundle with vLLM (serve.sh)"
+        )
     k = spec["num_speculative_tokens"]
     load = partial(load_scheduler, bundle, device, dtype, max_model_len, max_batch_size, target, adaptive_k)
     engine = EngineProcess(load) if engine_process else load().engine

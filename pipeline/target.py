@@ -146,14 +146,12 @@ def check_family(path: Path, fallback: Fallback = Fallback.refuse) -> str:
     and `draftsmith serve` use), or "transformers" for a family the runtime does not implement where
     `fallback` allows it and transformers knows the family (slower; `draftsmith serve` refuses such a
     target). TargetError for a family neither runs, or that the fallback refuses."""
-    from draftsmith.serve.model import SUPPORTED_MODEL_TYPES, ModelArgs, UnsupportedModelError
+    from draftsmith.serve.model import SUPPORTED_MODEL_TYPES, runtime_refusal
 
     config = json.loads((path / "config.json").read_text())
-    try:
-        ModelArgs.from_hf_config(config)
+    if (refusal := runtime_refusal(config)) is None:
         return "draftsmith"
-    except UnsupportedModelError as e:
-        unsupported = f"{path}: {e}. draftsmith runs targets in its own model code, which implements {', '.join(SUPPORTED_MODEL_TYPES)}"
+    unsupported = f"{path}: {refusal}. draftsmith runs targets in its own model code, which implements {', '.join(SUPPORTED_MODEL_TYPES)}"
     if fallback == Fallback.refuse:
         raise TargetError(
             f"{unsupported}; choose a target of one of those families (their fine-tunes and GGUF conversions included), "

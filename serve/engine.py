@@ -294,9 +294,6 @@ class Engine:
     def limits(self) -> "Limits":
         return Limits(self.target.args.vocab_size, self.max_seq_len, self.max_batch_size)
 
-    def check(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], k: int, proposer: Proposer | None) -> None:
-        self.limits.check(prompts, params, k, proposer is not None)
-
     @torch.inference_mode()
     def prefill(
         self, prompts: Sequence[Sequence[int]], rows: RowSampling, generator, cache_rows: Tensor | None = None
@@ -335,7 +332,7 @@ class Engine:
         k = num_speculative_tokens
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         proposer = proposer or self.draft_proposer
-        self.check(prompts, params, k, proposer)
+        self.limits.check(prompts, params, k, proposer is not None)
         started = time.perf_counter()
         rows = RowSampling.of(params, self.device)
         rows.penalties = Penalties.of(params, prompts, self.target.args.vocab_size, self.device)

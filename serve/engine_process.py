@@ -18,7 +18,6 @@ import gc
 import itertools
 import logging
 import multiprocessing
-import pickle
 import queue
 import threading
 from multiprocessing.connection import Connection
@@ -36,12 +35,9 @@ class EngineProcessError(RuntimeError):
 
 
 def portable(error: BaseException) -> BaseException:
-    """The error itself where it survives pickling, else a RuntimeError that says what it was."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001 - whatever does not make the trip
-        return RuntimeError(f"{type(error).__name__}: {error}")
+    """An error as it crosses to the server: an EngineError as it is, any other (of whatever class, which may not
+    survive the trip) as a RuntimeError that says what it was."""
+    return error if type(error) is EngineError else RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class Cancellation(threading.Event):

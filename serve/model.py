@@ -153,6 +153,15 @@ class ModelArgs:
         return self.windows[layer] if self.windows else None
 
 
+def runtime_refusal(cfg: dict[str, Any]) -> str | None:
+    """Why the runtime cannot run a model of this config.json (its family or settings), or None when it can."""
+    try:
+        ModelArgs.from_hf_config(cfg)
+    except UnsupportedModelError as e:
+        return str(e)
+    return None
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A causal LM's shape as its config.json states it, for any family (what an EAGLE-3 head's fit and a

@@ -145,7 +145,7 @@ class Scheduler:
     # -- the caller's side (any thread) -----------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue a request; EngineError (too long, ids outside the vocabulary) is raised here, at once."""
-        self.engine.check([request.prompt], [request.params], self.max_k, self.proposer)
+        self.engine.limits.check([request.prompt], [request.params], self.max_k, self.proposer is not None)
         with self.wake:
             self.waiting.append(request)
             self.wake.notify()

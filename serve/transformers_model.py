@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from draftsmith.serve.compressed import dequantize
-from draftsmith.serve.model import CachedModel, ModelArgs, ModelShape, Transformer, UnsupportedModelError
+from draftsmith.serve.model import CachedModel, ModelShape, Transformer, runtime_refusal
 from draftsmith.serve.weights import WeightsError, check_fits, load_model, read_config, read_safetensors
 
 
@@ -114,8 +114,6 @@ def load_transformers_model(path: Path, dtype: torch.dtype, device: str | torch.
 def load_any(path: Path, dtype: torch.dtype, device: str | torch.device) -> Transformer | TransformersModel:
     """The runtime's model of an HF dir, or where the runtime does not implement its family, the model in
     transformers behind the same interface (the pipeline's stages; `draftsmith serve` loads runtime models only)."""
-    try:
-        ModelArgs.from_hf_config(read_config(path))
-    except UnsupportedModelError:
+    if runtime_refusal(read_config(path)) is not None:
         return load_transformers_model(path, dtype, device)
     return load_model(path, dtype, device)
