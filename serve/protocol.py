@@ -130,6 +130,10 @@ class CompletionRequest(Sampling):
     def prompts(self) -> list[str | list[int]]:
         return several(self.prompt)
 
+    def prompt_chars(self) -> int:
+        """The characters (or token ids) of its prompts: the tokenizer's work."""
+        return sum(len(p) for p in self.prompts())
+
 
 def several(prompt: str | list) -> list:
     """The prompts of a completions request's `prompt`: one (a string or token ids) or a list of them."""
@@ -153,6 +157,10 @@ class Message(Strict):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+
+    def prompt_chars(self) -> int:
+        """The characters of its messages: the chat template's and the tokenizer's work."""
+        return sum(len(m.as_dict()["content"]) for m in self.messages)
 
 
 def token_logprobs(tokenizer, tokens: list[int], logprobs: Logprobs, chat: bool) -> dict:

@@ -89,6 +89,8 @@ class Server:
     def start(self) -> None:
         """The engine thread: warm-up (step costs, CUDA graphs), then /ready, then the batch loop."""
 
+        loop = asyncio.get_running_loop() if isinstance(self.scheduler, EngineProcess) else None  # reads its messages
+
         def run() -> None:
             try:
                 self.scheduler.warm_up()
@@ -97,7 +99,10 @@ class Server:
                 # (an 86 ms pause on a CPU, /health with it)
                 gc.freeze()
                 self.ready = True
-                self.scheduler.serve_forever(self._stop)
+                if loop is None:
+                    self.scheduler.serve_forever(self._stop)
+                else:
+                    self.scheduler.serve_forever(self._stop, loop)
             except Exception as e:  # noqa: BLE001 - e.g. out of device memory: /health and /ready say so
                 self.failure = f"{'the engine failed' if self.ready else 'the warm-up failed'}: {e}"
                 log.exception(self.failure)
@@ -123,8 +128,11 @@ class Server:
         """Queue a request on the scheduler; its tokens lists and then ("done", its Completion or exception)
         arrive on `updates` as (index, item): the choices of one API request share a queue. EngineError for
         a request the engine cannot take."""
-        mailbox = Mailbox.of(asyncio.get_running_loop())
-        put = lambda item: mailbox.post(updates, (index, item))
+        if isinstance(self.scheduler, EngineProcess):  # its messages are read on this event loop
+            put = lambda item: updates.put_nowait((index, item))
+        else:
+            mailbox = Mailbox.of(asyncio.get_running_loop())
+            put = lambda item: mailbox.post(updates, (index, item))
         request = EngineRequest(ids, params, on_tokens=put, on_done=lambda result: put(("done", result)))
         self.scheduler.submit(request)
         return request

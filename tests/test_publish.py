@@ -274,13 +274,6 @@ def test_serve_steps_its_engine_in_a_process_of_its_own_with_the_same_replies(pu
     here.stop()
     server = load_server(bundle, device="cpu", dtype="float32", max_model_len=64)
     assert server.scheduler.pid != os.getpid()
-    whole, streamed, too_long = asyncio.run(replies(server))
-    assert [c["text"] for c in whole["choices"]] == [c["text"] for c in expected[0]["choices"]] and whole["usage"] == expected[0]["usage"]
-    for got, want in zip(whole["choices"], expected[0]["choices"]):
-        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
-        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
-    assert streamed == expected[1] == whole["choices"][0]["text"]
-    assert too_long.status_code == expected[2].status_code == 400 and too_long.json() == expected[2].json()
 
     async def walk_away_then_kill() -> tuple[list[int], httpx.Response, httpx.Response]:
         app = create_app(server)
@@ -304,8 +297,17 @@ def test_serve_steps_its_engine_in_a_process_of_its_own_with_the_same_replies(pu
                 await asyncio.sleep(0.05)
             return running, await http.get("/health"), await http.get("/ready")
 
-    started = time.perf_counter()
-    running, health, ready = asyncio.run(walk_away_then_kill())
+    async def on_one_loop():  # the loop that started the server reads its engine's messages
+        return await replies(server), time.perf_counter(), await walk_away_then_kill()
+
+    (whole, streamed, too_long), started, (running, health, ready) = asyncio.run(on_one_loop())
+    assert [c["text"] for c in whole["choices"]] == [c["text"] for c in expected[0]["choices"]] and whole["usage"] == expected[0]["usage"]
+    for got, want in zip(whole["choices"], expected[0]["choices"]):
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    assert streamed == expected[1] == whole["choices"][0]["text"]
+    assert too_long.status_code == expected[2].status_code == 400 and too_long.json() == expected[2].json()
+
     assert running[-1] == 0 and time.perf_counter() - started < 10
     assert health.status_code == 500 and "engine's process exited" in health.json()["error"] and ready.status_code == 503
     server.stop()
