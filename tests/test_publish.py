@@ -238,7 +238,7 @@ def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
         load_server(broken, device="cpu", dtype="bfloat16", max_model_len=128)
 
 
-def test_serve_steps_its_engine_in_a_process_of_its_own_with_the_same_replies(published):
+def test_serve_steps_its_engine_in_a_process_of_its_own_with_the_same_replies(published, monkeypatch):
     # the HTTP server's work and the engine's no longer share an interpreter lock (issue 37): the engine steps
     # in a process of its own; clients get what the engine in the server's own process gives, limits are
     # checked at once, a client that goes away frees its row there, and an engine process that dies is told
@@ -249,6 +249,8 @@ def test_serve_steps_its_engine_in_a_process_of_its_own_with_the_same_replies(pu
     import httpx
 
     from draftsmith.pipeline.serving import load_server
+    from draftsmith.serve import engine_process
+    from draftsmith.serve.sampling import SamplingParams
     from draftsmith.serve.server import create_app
 
     _, bundle, _ = published
@@ -297,10 +299,26 @@ def test_serve_steps_its_engine_in_a_process_of_its_own_with_the_same_replies(pu
                 await asyncio.sleep(0.05)
             return running, await http.get("/health"), await http.get("/ready")
 
-    async def on_one_loop():  # the loop that started the server reads its engine's messages
-        return await replies(server), time.perf_counter(), await walk_away_then_kill()
+    async def by_the_thread() -> tuple[dict, list[int]]:
+        # every request through the requests' thread, and a cancellation right behind its submission: it reaches
+        # the engine's process after it (else that row would run to max_tokens for nobody)
+        monkeypatch.setattr(engine_process, "DIRECT_IDS", 0)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(server)), base_url="http://test") as http:
+            whole = (await http.post("/v1/completions", json=body)).json()
+        steps = []
+        monkeypatch.setattr(server.scheduler, "on_step", lambda k, accepted: steps.append(k))
+        server.submit([5] * 8, SamplingParams(max_new_tokens=50, ignore_eos=True), asyncio.Queue()).cancelled.set()
+        for _ in range(60):
+            await asyncio.sleep(0.05)
+        monkeypatch.undo()
+        return whole, [len(steps), server.scheduler.num_running + server.scheduler.num_waiting]
 
-    (whole, streamed, too_long), started, (running, health, ready) = asyncio.run(on_one_loop())
+    async def on_one_loop():  # the loop that started the server reads its engine's messages
+        return await replies(server), await by_the_thread(), time.perf_counter(), await walk_away_then_kill()
+
+    (whole, streamed, too_long), (threaded, rows), started, (running, health, ready) = asyncio.run(on_one_loop())
+    assert [c["text"] for c in threaded["choices"]] == [c["text"] for c in whole["choices"]]
+    assert rows[0] < 10 and rows[1] == 0  # the cancelled row was freed at once, not after its 50 tokens (25+ steps)
     assert [c["text"] for c in whole["choices"]] == [c["text"] for c in expected[0]["choices"]] and whole["usage"] == expected[0]["usage"]
     for got, want in zip(whole["choices"], expected[0]["choices"]):
         assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
