@@ -7,9 +7,11 @@ process steps on its own; each step's kept tokens, finished requests and step co
 one message, and the server's requests reach it through another pipe, read between steps.
 
 `EngineProcess` is what the server holds in place of a Scheduler (serve/server.py takes either): `submit`
-checks a request against the engine's limits at once (EngineError) and queues it; `warm_up` waits for the
-engine process's warm-up; `serve_forever` hands each message's tokens to the requests' callbacks, on the
-thread that calls it, until told to stop.
+checks a request against the engine's limits at once (EngineError) and sends it; `warm_up` waits for the
+engine process's warm-up; `serve_forever` has the server's event loop read the engine's messages and hand
+each step's tokens to the requests' callbacks, until told to stop. On the way in and out a request makes no
+hop between threads when it can help it: at concurrency 1 those hops are what the server loses against its
+engine, whose process waits for each next request.
 """
 
 from __future__ import annotations

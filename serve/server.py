@@ -87,8 +87,8 @@ class Server:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """The engine thread: warm-up (step costs, CUDA graphs), then /ready, then the batch loop."""
-
+        """The engine thread: warm-up (step costs, CUDA graphs), then /ready, then the batch loop (or, for an
+        EngineProcess, the engine's messages read on the event loop that calls this)."""
         loop = asyncio.get_running_loop() if isinstance(self.scheduler, EngineProcess) else None  # reads its messages
 
         def run() -> None:
