@@ -35,9 +35,21 @@ def time_forward(forward: Forward, batch_size: int, num_tokens: int, device: tor
     return sorted(times)[len(times) // 2]
 
 
+def faster_than_plain(step_ms: dict[int, float], slack: float = 0.9) -> list[int]:
+    """The Ks whose step (step_ms: K -> ms, 0 plain) was timed well under a plain step's: a speculative step
+    runs the target over K + 1 tokens besides its drafts, so it cannot be cheaper than one over a single
+    token; such times say that something else had the device while they were taken."""
+    return [k for k, ms in step_ms.items() if k and ms < slack * step_ms[0]]
+
+
 def predicted_speedup(tau: float, plain_step_ms: float, step_ms: float) -> float:
     """tau tokens per speculative step of step_ms, against one token per plain step of plain_step_ms."""
     return tau * plain_step_ms / step_ms
+
+
+def predicted_speedups(tau: dict[int, float], step_ms: dict[int, float]) -> dict[int, float]:
+    """K -> predicted speedup, for each K >= 1 of step_ms (K -> ms, 0 plain) and tau (K -> tokens a step)."""
+    return {k: predicted_speedup(tau[k], step_ms[0], ms) for k, ms in step_ms.items() if k}
 
 
 def choose_k(speedups: dict[int, float], source: str = "predicted") -> tuple[int, str]:

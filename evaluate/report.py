@@ -20,10 +20,11 @@ class Speed:
 
     batch_size: int
     plain_step_ms: float
-    step_ms: dict[str, dict[int, float]]  # proposer -> K -> ms
+    step_ms: dict[str, dict[int, float]]  # proposer -> K -> ms (0: plain, timed in the same turns)
     predicted_speedup: dict[str, dict[int, float]]  # proposer -> K -> x plain
     measured_speedup: dict[str, dict[int, float]]  # the shipped draft -> its K -> x plain, from the engine runs
     disturbed: bool  # the measured speedup came out above tau: the machine was busy with something else
+    faster_than_plain: list[int]  # the shipped draft's Ks whose step timed faster than a plain step: the same
     runs_tokens_per_s: dict[str, list[float]]
     plain_tokens_per_s: float
     tokens_per_s: float
@@ -37,6 +38,7 @@ class Speed:
             "predicted_speedup": by_k(self.predicted_speedup),
             "measured_speedup": by_k(self.measured_speedup),
             "disturbed": self.disturbed,
+            "faster_than_plain": self.faster_than_plain,
             "runs_tokens_per_s": {n: [round(v, 2) for v in r] for n, r in self.runs_tokens_per_s.items()},
             "plain_tokens_per_s": round(self.plain_tokens_per_s, 2),
             "tokens_per_s": round(self.tokens_per_s, 2),
@@ -246,6 +248,13 @@ def markdown(report: dict) -> str:
             " The measured speedup came out above tau, which bounds it (the machine was busy with something "
             "else): the speedup reported is tau."
             if speed.get("disturbed")
+            else ""
+        )
+        + (
+            f" Steps at K={','.join(map(str, fast))} timed faster than a plain step, which they cannot be: something "
+            "else had the device while the step costs were timed, and K was chosen from them; evaluate again on an "
+            "idle device."
+            if (fast := speed.get("faster_than_plain"))
             else ""
         ),
         "",

@@ -169,10 +169,28 @@ def computed_acceptance(ev: Evaluation, plain: Engine, drafts: dict[str, Any], t
     return rows
 
 
+def timed_steps(engine: Engine, batch: int, k_max: int, what: str, proposer=None) -> dict[int, float]:
+    """Whole steps at K = 0..k_max (0: plain), timed in turns (Engine.time_steps), with a warning where a
+    speculative step came out faster than a plain one (cost.faster_than_plain)."""
+    ms = engine.time_steps(batch, range(k_max + 1), proposer=proposer)
+    if fast := cost.faster_than_plain(ms):
+        log.warning(
+            "evaluate: %s at batch %d: steps at K=%s timed faster than a plain step (%.3f ms), which they cannot be: "
+            "something else had the %s while they were timed, and the K chosen from these times may not pay; "
+            "evaluate on an idle device",
+            what,
+            batch,
+            ",".join(map(str, fast)),
+            ms[0],
+            engine.device.type,
+        )
+    return ms
+
+
 def step_costs(ev: Evaluation, drafts: dict[str, Any], shipped: str, progress, task) -> tuple[dict[str, dict[int, float]], Engine]:
-    """Milliseconds of a whole step of each proposer at K = 1..max at the evaluation batch size, and the
-    shipped draft's engine (kept: it measures the speed next). Drafts of one shape are timed once (a W4A16
-    draft runs dequantized: its steps cost what its bf16 twin's cost)."""
+    """Milliseconds of a whole step of each proposer at K = 0..max (0: plain decoding, timed in the same turns)
+    at the evaluation batch size, and the shipped draft's engine (kept: it measures the speed next). Drafts of
+    one shape are timed once (a W4A16 draft runs dequantized: its steps cost what its bf16 twin's cost)."""
     step_ms: dict[str, dict[int, float]] = {}
     for name, draft in drafts.items():
         progress.update(task, description=f"step costs: {name}")
@@ -182,7 +200,7 @@ def step_costs(ev: Evaluation, drafts: dict[str, Any], shipped: str, progress, t
         else:
             engine = ev.engine(draft)
             proposer = PromptLookup(ev.target.args.vocab_size) if draft is None else None
-            step_ms[name] = {k: engine.time_step(ev.e.batch_size, k, proposer=proposer) for k in range(1, ev.e.max_speculative_tokens + 1)}
+            step_ms[name] = timed_steps(engine, ev.e.batch_size, ev.e.max_speculative_tokens, name, proposer)
             if name == shipped:
                 shipped_engine = engine
             del engine
@@ -231,11 +249,11 @@ def k_by_batch_size(ev: Evaluation, draft, tau: dict[int, float], measured: dict
     sizes = sorted({1, ev.e.batch_size, *ev.e.dynamic_k_batch_sizes})
     engine = ev.engine(draft, max_batch_size=max(sizes))
     step_ms = {
-        b: measured if b == ev.e.batch_size else {k: engine.time_step(b, k) for k in range(ev.e.max_speculative_tokens + 1)} for b in sizes
+        b: measured if b == ev.e.batch_size else timed_steps(engine, b, ev.e.max_speculative_tokens, "the shipped draft") for b in sizes
     }
     del engine
     ev.free()
-    predicted = {b: {k: cost.predicted_speedup(tau[k], ms[0], ms[k]) for k in ms if k} for b, ms in step_ms.items()}
+    predicted = {b: cost.predicted_speedups(tau, ms) for b, ms in step_ms.items()}
     best = {b: (k if speedups[k] > 1.0 else 0) for b, speedups in predicted.items() for k in [cost.choose_k(speedups)[0]]}
     schedule = []
     for i, b in enumerate(sizes):
@@ -271,25 +289,25 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         plain = ev.engine()
         rows = computed_acceptance(ev, plain, drafts, temperatures, progress, task)
         step_ms, shipped_engine = step_costs(ev, drafts, shipped, progress, task)
-        plain_ms = plain.time_step(e.batch_size, 0)
         tau = lambda name: {r.k: r.tau for r in rows if r.proposer == name and r.temperature == 0.0}
-        predicted = {name: {k: cost.predicted_speedup(tau(name)[k], plain_ms, ms) for k, ms in step_ms[name].items()} for name in names}
+        predicted = {name: cost.predicted_speedups(tau(name), step_ms[name]) for name in names}
         k, why = cost.choose_k(predicted[shipped])
         progress.update(task, description=f"engine: plain and {shipped} K={k}")
         plain_run, shipped_run, runs, disturbed, speedup = engine_speed(ev, plain, shipped, shipped_engine, k)
         progress.advance(task)
         del shipped_engine, plain
         progress.update(task, description="the K that pays at each batch size")
-        dynamic = k_by_batch_size(ev, drafts[shipped], {0: 1.0, **tau(shipped)}, {0: plain_ms, **step_ms[shipped]}, k)
+        dynamic = k_by_batch_size(ev, drafts[shipped], tau(shipped), step_ms[shipped], k)
         progress.advance(task)
     data = inputs["data"]
     speed = Speed(
         e.batch_size,
-        plain_ms,
+        step_ms[shipped][0],
         step_ms,
         predicted,
         {shipped: {k: speedup}},
         disturbed,
+        cost.faster_than_plain(step_ms[shipped]),
         {"plain": [r[0].tokens_per_s for r in runs], shipped: [r[1].tokens_per_s for r in runs]},
         plain_run.tokens_per_s,
         shipped_run.tokens_per_s,

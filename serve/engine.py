@@ -415,24 +415,28 @@ class Engine:
         return Launched(out, k, host, ready)
 
     @torch.inference_mode()
-    def time_step(self, batch: int, k: int, repeats: int = 3, proposer: Proposer | None = None) -> float:
-        """Median milliseconds of one greedy step at `batch` rows and K (0: plain), with `proposer` (default:
-        the engine's draft), on idle rows (nothing moves). On a GPU the first call captures the step's graph."""
+    def time_steps(self, batch: int, ks: Sequence[int], rounds: int = 5, proposer: Proposer | None = None) -> dict[int, float]:
+        """Milliseconds of one greedy step at `batch` rows for each K in `ks` (0: plain), with `proposer`
+        (default: the engine's draft), on idle rows (nothing moves). The Ks are timed in turns, `rounds` times
+        each, and each keeps its fastest: another job on the device slows every K alike rather than the ones
+        timed while it ran, and it can only add time. A first, untimed step of each K warms up (on a GPU it
+        captures the step's graph)."""
         state, active = self.idle_state(batch), torch.zeros(batch, dtype=torch.bool, device=self.device)
         rows = RowSampling.of([SamplingParams()] * batch, self.device)
         proposer = proposer or self.draft_proposer
         histories = [[0]] * batch if proposer is not None and proposer.reads_history else []
-        times = []
-        for i in range(repeats + 1):  # the first call warms up (graph capture, compilation, caches)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            self.step(state, active, k, rows, None, proposer, histories)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            if i:
-                times.append((time.perf_counter() - started) * 1000)
-        return sorted(times)[len(times) // 2]
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        for i in range(rounds + 1):
+            for k in ks:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                self.step(state, active, k, rows, None, proposer, histories)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if i:
+                    times[k].append((time.perf_counter() - started) * 1000)
+        return {k: min(ms) for k, ms in times.items()}
 
     @staticmethod
     def emit_first(

@@ -191,7 +191,8 @@ class Scheduler:
                 )
 
     def _time_steps(self, batch: int) -> None:
-        self.costs.step_ms.update({(batch, k): self.engine.time_step(batch, k, proposer=self.proposer) for k in range(self.max_k + 1)})
+        timed = self.engine.time_steps(batch, range(self.max_k + 1), proposer=self.proposer)
+        self.costs.step_ms.update({(batch, k): ms for k, ms in timed.items()})
 
     def serve_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():

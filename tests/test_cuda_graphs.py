@@ -93,7 +93,7 @@ def test_a_dropped_engine_frees_its_graphs_at_once_and_a_later_capture_succeeds(
     import weakref
 
     first = engine(tiny_models, torch.float32, 4, True, kind=kind, head_dir=head_dir)
-    first.time_step(4, 2)
+    first.time_steps(4, [2])
     assert first.step_graphs.graphs
     dropped = weakref.ref(first)
     gc.disable()
@@ -103,7 +103,7 @@ def test_a_dropped_engine_frees_its_graphs_at_once_and_a_later_capture_succeeds(
     finally:
         gc.enable()
     second = engine(tiny_models, torch.float32, 4, True, kind=kind, head_dir=head_dir)
-    assert second.time_step(4, 3) > 0 and (4, 3) in second.step_graphs.graphs
+    assert second.time_steps(4, [3])[3] > 0 and (4, 3) in second.step_graphs.graphs
 
 
 def test_graphed_engines_over_the_same_models_run_in_turns(tiny_models, kind, head_dir):

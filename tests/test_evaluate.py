@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.evaluate.cost import choose_k, predicted_speedup
+from draftsmith.evaluate import report as reports
+from draftsmith.evaluate.cost import choose_k, faster_than_plain, predicted_speedup, predicted_speedups
 from draftsmith.evaluate.stage import gates
 from draftsmith.serve.stats import SpecStats, expected_tokens
 
@@ -34,6 +35,39 @@ def test_expected_tokens_and_predicted_speedup():
     assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
     # 2.44 tokens per step of 14 ms against one token per plain step of 10 ms
     assert predicted_speedup(2.44, 10.0, 14.0) == pytest.approx(2.44 * 10 / 14)
+
+
+def test_steps_timed_faster_than_a_plain_step_are_named():
+    # a speculative step runs the target over K + 1 tokens: well under a plain step's time, it was disturbed
+    # (on one H200 a W4A16 draft timed while another job trained: K=3 4.9 ms and K=8 4.9 ms, plain 6.0 ms)
+    assert faster_than_plain({0: 6.02, 1: 5.17, 2: 6.49, 3: 5.08, 8: 4.88}) == [1, 3, 8]
+    assert faster_than_plain({0: 2.93, 1: 3.32, 2: 3.48, 8: 4.64}) == []
+    assert faster_than_plain({0: 10.0, 1: 9.5}) == []  # within the timing's own noise
+    assert predicted_speedups({1: 1.7, 2: 2.2}, {0: 10.0, 1: 12.5, 2: 16.0}) == pytest.approx({1: 1.36, 2: 1.375})
+
+
+def test_step_times_are_taken_in_turns_and_a_busy_moment_moves_none(tiny_models, monkeypatch):
+    """Engine.time_steps times K = 0..max in turns and keeps each K's fastest: a job that takes the machine
+    during two of a K's three steps (300 ms each) does not make that K look slower (a median would)."""
+    import time
+
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.weights import load_model
+
+    target_dir, draft_dir = tiny_models["qwen2"]
+    engine = Engine(load_model(target_dir, torch.float32), load_model(draft_dir, torch.float32), max_batch_size=2, max_seq_len=64)
+    step, ks = engine.step, []
+
+    def busy_once(state, active, k, *rest):
+        ks.append(k)
+        if len(ks) in (3 * 1 + 2, 3 * 2 + 2):  # the first and second timed rounds' steps at K=1
+            time.sleep(0.3)
+        return step(state, active, k, *rest)
+
+    monkeypatch.setattr(engine, "step", busy_once)
+    ms = engine.time_steps(2, range(3), rounds=3)
+    assert ks == [0, 1, 2] * 4  # a warm-up round, then three timed rounds
+    assert set(ms) == {0, 1, 2} and all(0 < v < 300 for v in ms.values())
 
 
 def test_k_choice_takes_the_best_speedup_and_says_why():
@@ -199,6 +233,14 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
     # drafts of one shape are timed once (W4A16 runs dequantized); prompt lookup has steps of its own
     step_ms = report["speed"]["step_ms"]
     assert step_ms["w4a16"] == step_ms["bf16"] == step_ms["initial"] != step_ms["prompt_lookup"]
+    # the plain step, timed in the same turns as each proposer's
+    assert report["speed"]["plain_step_ms"] == step_ms["w4a16"]["0"] and set(step_ms["w4a16"]) == {str(k) for k in range(6)}
+    faster = report["speed"]["faster_than_plain"]
+    assert faster == [int(k) for k, ms in step_ms["w4a16"].items() if k != "0" and ms < 0.9 * step_ms["w4a16"]["0"]]
+    # where the step costs were disturbed, eval.md says so
+    disturbed = reports.markdown({**report, "speed": {**report["speed"], "faster_than_plain": [2, 5]}})
+    assert "Steps at K=2,5 timed faster than a plain step" in disturbed
+    assert ("timed faster than a plain step" in (out / "eval.md").read_text()) == bool(faster)
     for name in ("eval.md", "acceptance_by_position.png", "tau_vs_k.png", "speedup.png"):
         assert (out / name).stat().st_size > 0
     assert "tau_k5_initial" in done.stdout and "tau_k5_prompt_lookup" in done.stdout
