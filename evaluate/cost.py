@@ -37,8 +37,9 @@ def time_forward(forward: Forward, batch_size: int, num_tokens: int, device: tor
 
 def faster_than_plain(step_ms: dict[int, float], slack: float = 0.9) -> list[int]:
     """The Ks whose step (step_ms: K -> ms, 0 plain) was timed well under a plain step's: a speculative step
-    runs the target over K + 1 tokens besides its drafts, so it cannot be cheaper than one over a single
-    token; such times say that something else had the device while they were taken."""
+    runs the target over K + 1 tokens besides its drafts, so it should not be cheaper than one over a single
+    token: such times say that something else had the device while they were taken, or that the plain step
+    took a slow path of its own (on a CPU in bf16 a one-token attention kernel once did)."""
     return [k for k, ms in step_ms.items() if k and ms < slack * step_ms[0]]
 
 

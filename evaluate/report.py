@@ -24,7 +24,7 @@ class Speed:
     predicted_speedup: dict[str, dict[int, float]]  # proposer -> K -> x plain
     measured_speedup: dict[str, dict[int, float]]  # the shipped draft -> its K -> x plain, from the engine runs
     disturbed: bool  # the measured speedup came out above tau: the machine was busy with something else
-    faster_than_plain: list[int]  # the shipped draft's Ks whose step timed faster than a plain step: the same
+    faster_than_plain: list[int]  # the shipped draft's Ks whose step timed faster than a plain step (cost.faster_than_plain)
     runs_tokens_per_s: dict[str, list[float]]
     plain_tokens_per_s: float
     tokens_per_s: float
@@ -251,9 +251,9 @@ def markdown(report: dict) -> str:
             else ""
         )
         + (
-            f" Steps at K={','.join(map(str, fast))} timed faster than a plain step, which they cannot be: something "
-            "else had the device while the step costs were timed, and K was chosen from them; evaluate again on an "
-            "idle device."
+            f" Steps at K={','.join(map(str, fast))} timed faster than a plain step, and K was chosen from these times: "
+            "either something else had the device while they were timed (evaluate again on an idle device) or the "
+            "plain step took a slow path of its own."
             if (fast := speed.get("faster_than_plain"))
             else ""
         ),

@@ -175,9 +175,9 @@ def timed_steps(engine: Engine, batch: int, k_max: int, what: str, proposer=None
     ms = engine.time_steps(batch, range(k_max + 1), proposer=proposer)
     if fast := cost.faster_than_plain(ms):
         log.warning(
-            "evaluate: %s at batch %d: steps at K=%s timed faster than a plain step (%.3f ms), which they cannot be: "
-            "something else had the %s while they were timed, and the K chosen from these times may not pay; "
-            "evaluate on an idle device",
+            "evaluate: %s at batch %d: steps at K=%s timed faster than a plain step (%.3f ms): either something else "
+            "had the %s while they were timed (evaluate on an idle device) or the plain step took a slow path of its "
+            "own; the K chosen from these times may not pay",
             what,
             batch,
             ",".join(map(str, fast)),

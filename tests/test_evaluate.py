@@ -58,13 +58,13 @@ def test_step_times_are_taken_in_turns_and_a_busy_moment_moves_none(tiny_models,
     engine = Engine(load_model(target_dir, torch.float32), load_model(draft_dir, torch.float32), max_batch_size=2, max_seq_len=64)
     step, ks = engine.step, []
 
-    def busy_once(state, active, k, *rest):
+    def busy_twice(state, active, k, *rest):
         ks.append(k)
         if len(ks) in (3 * 1 + 2, 3 * 2 + 2):  # the first and second timed rounds' steps at K=1
             time.sleep(0.3)
         return step(state, active, k, *rest)
 
-    monkeypatch.setattr(engine, "step", busy_once)
+    monkeypatch.setattr(engine, "step", busy_twice)
     ms = engine.time_steps(2, range(3), rounds=3)
     assert ks == [0, 1, 2] * 4  # a warm-up round, then three timed rounds
     assert set(ms) == {0, 1, 2} and all(0 < v < 300 for v in ms.values())
