@@ -4,6 +4,8 @@
 #   bash benchmarks/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads)
 #   bash benchmarks/h200_bench.sh train        distillation tokens/s by trainer setting (benchmarks/profile_train.py)
 #   bash benchmarks/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
+#   bash benchmarks/h200_bench.sh eagle_sweep [OVERRIDES]  preset=eagle3_sweep through publish (overrides narrow the grid:
+#                                            draft.ttt_steps=4,7 distill.max_steps=4000); LIMIT a call, a rerun resumes
 #   bash benchmarks/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
 #   bash benchmarks/h200_bench.sh pipeline [OVERRIDES]   the gpu preset's draft model as shipped, through evaluate
 #                                            (a sweep when an override lists values: draft.num_layers=4,2)
@@ -91,7 +93,17 @@ load() {  # name port: a 3-second warm-up (not kept), then ROUNDS (3) rounds of 
   done
 }
 
-case "${1:?tests, train, eagle, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b or scale}" in
+sweep_results() {  # prefix: each job of the newest sweep: its result.json and eval.md to $out
+  local sweep job n
+  sweep=$(newest "$root/runs/hydra/multirun/*")
+  for job in "$sweep"/*/; do
+    n=$(basename "$job")
+    cp "$job/result.json" "$out/$1_$n.json" || true
+    cp "$(python3 -c "import json; print(json.load(open('$job/result.json'))['outputs']['evaluate'])")/eval.md" "$out/$1_${n}_eval.md" || true
+  done
+}
+
+case "${1:?tests, train, eagle, eagle_sweep, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b or scale}" in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py tests/test_penalties.py 2>&1 | tail -15
   ;;
@@ -112,12 +124,12 @@ standalone)
 pipeline)
   shift
   timeout "$limit" "${cli[@]}" run -m "${common[@]}" stop_after=evaluate "$@" 2>&1 | tail -30 || true
-  sweep=$(newest "$root/runs/hydra/multirun/*")
-  for job in "$sweep"/*/; do
-    n=$(basename "$job")
-    cp "$job/result.json" "$out/pipeline_$n.json" || true
-    cp "$(python3 -c "import json; print(json.load(open('$job/result.json'))['outputs']['evaluate'])")/eval.md" "$out/pipeline_${n}_eval.md" || true
-  done
+  sweep_results pipeline
+  ;;
+eagle_sweep)
+  shift
+  timeout "$limit" "${cli[@]}" run -m preset=eagle3_sweep "${common[@]:1}" stop_after=publish "$@" 2>&1 | tail -30 || true
+  sweep_results eagle_sweep
   ;;
 shapes)
   # every job: 300 steps (~6.7M tokens), no AWQ (a draft's int4 weights are dequantized at load, so its

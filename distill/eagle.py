@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -95,46 +97,87 @@ def build_head(target_dir: Path, num_layers: int, aux_layers: tuple[int, ...], v
     return head, layer_config
 
 
-class UnrolledHead(nn.Module):
-    """The head unrolled for training: forward returns the loss and per-step metrics (a module of its
-    own so that data-parallel training sees one forward). The token embedding is the target's, frozen."""
+@dataclass(frozen=True)
+class UnrollIndex:
+    """Where a batch's response positions sit in each step of training-time test, as index tensors made on the
+    host from the rows' lengths, so that gathering by them never waits on the device (a boolean mask would:
+    its count is only known there). Step j's entry t stands for position t + j + 1 and predicts the token
+    after it, so the batch's response positions s give step j's entries t = s - j - 1 (those with s > j)."""
 
-    def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float):
+    entries: tuple[Tensor, ...]  # step j: flat indices into the unrolled states [B * E] of its entries, in `labels` order
+    picks: tuple[Tensor | None, ...]  # step j: which of the batch's N response positions those are (None: all N)
+
+    @classmethod
+    def of(cls, batch, steps: int) -> "UnrollIndex":
+        from draftsmith.serve.sampling import to_device
+
+        E = batch.input_ids.shape[1] - 1
+        starts = [len(row["prompt_ids"]) - 1 for row in batch.sources]  # a row's first response position
+        rows = np.repeat(np.arange(len(starts)), batch.counts)
+        s = np.concatenate([np.arange(start, start + n) for start, n in zip(starts, batch.counts)]) if starts else np.zeros(0, np.int64)
+        entries, picks = [], []
+        device = batch.input_ids.device
+        for j in range(steps):
+            keep = s > j
+            entries.append(to_device(torch.from_numpy(rows[keep] * E + s[keep] - j - 1), device))
+            picks.append(None if keep.all() else to_device(torch.from_numpy(np.flatnonzero(keep)), device))
+        return cls(tuple(entries), tuple(picks))
+
+
+class UnrolledHead(nn.Module):
+    """The head unrolled for training: forward returns the loss and, when asked, per-step metrics (a module of
+    its own so that data-parallel training sees one forward). The token embedding is the target's, frozen.
+    The unroll itself (every step's layers and final norm) is one function that distill.compile compiles;
+    the loss over the draft vocabulary runs chunk by chunk after it (distill.loss_chunk_size)."""
+
+    def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float, chunk: int = 0):
         super().__init__()
-        self.head, self.steps, self.decay = head, steps, decay
+        self.head, self.steps, self.decay, self.chunk = head, steps, decay, chunk
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
+        self.__dict__["states"] = self._states  # distill.compile: compile_training replaces it
+
+    def compile_training(self) -> None:
+        """torch.compile the unroll whole (dynamic shapes: rows differ in length batch to batch)."""
+        self.__dict__["states"] = torch.compile(self._states, dynamic=True)
+
+    def _states(self, tokens: Tensor, features: Tensor, entries: tuple[Tensor, ...]) -> list[Tensor]:
+        """Step j's normalised hidden states at its entries `entries[j]` [N_j, hidden] (what the LM head reads)."""
+        head = self.head
+        return [
+            head.norm(hidden.flatten(0, 1).index_select(0, at))
+            for at, hidden in zip(entries, head.unroll(tokens, features, self.embeddings, self.steps))
+        ]
 
     def forward(
-        self, tokens: Tensor, features: Tensor, target_logits: Tensor, predict: Tensor, loss_fn
+        self, tokens: Tensor, features: Tensor, target_logits: Tensor, index: UnrollIndex, loss_fn, labels: Tensor | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """tokens [B, S]; features [B, S, F] (the target's hidden states at each position); target_logits
-        [B, S, V_draft] (the target's, over the draft vocabulary); predict [B, S] (positions whose next
-        token is a response token). loss_fn(student_logits [N, V'], target_logits [N, V']) -> [N]."""
-        head = self.head
-        B, S = tokens.shape
-        E = S - 1  # entries 0 .. S-2: entry t reads the token at t + 1
-        loss = head.fc.weight.new_zeros(())
-        correct = torch.ones(B, E, dtype=torch.bool, device=tokens.device)  # every earlier step agreed
+        """tokens [B, S]; features [B, S, F] (the target's hidden states at each position); target_logits [N, V_draft]
+        (the target's at the batch's N response positions, over the draft vocabulary); loss_fn(student_logits [n, V'],
+        target_logits [n, V']) -> [n]. labels [N] (the data's next tokens): also count, per step, the entries whose
+        drafts up to it all equal the data's tokens (for a greedy teacher, what the target accepts)."""
+        weight = self.head.lm_head.weight
+        loss = weight.new_zeros((), dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
-        weights = 0.0
-        for j, hidden in enumerate(head.unroll(tokens, features, self.embeddings, self.steps)):
-            # step j's entry t predicts the token at t + j + 2 from the target's distribution at t + j + 1
-            wanted = F.pad(predict[:, j + 1 :], (0, j))  # [B, E]
-            p = F.pad(target_logits[:, j + 1 :], (0, 0, 0, j))[wanted]  # [N, V']
-            q = head.logits(hidden[wanted])  # [N, V']
-            per_position = loss_fn(q, p)
-            if j == 0:
-                metrics["tvd_0"] = losses.tvd(*losses.full(q.detach(), p, 1.0)).sum()
-            weight = self.decay**j
-            loss = loss + weight * per_position.mean()
-            weights += weight
-            # agreement with the token that follows in the data (the target's greedy token for a greedy teacher)
-            agree = torch.zeros_like(correct)
-            agree[wanted] = head.vocab[q.argmax(-1)] == F.pad(tokens[:, j + 2 :], (0, j + 1))[wanted]
-            correct = correct & agree
-            metrics[f"accepted_{j}"] = (correct & wanted).sum().float()
-            metrics[f"drafted_{j}"] = wanted.sum().float()
-        return loss / weights, metrics
+        correct = None  # [B * E]: every step so far agreed
+        for j, hidden in enumerate(self.states(tokens, features, index.entries)):
+            p = target_logits if index.picks[j] is None else target_logits.index_select(0, index.picks[j])
+            if self.chunk > 0:
+                step_loss = losses.chunked_mean(hidden, weight, lambda z, rows, p=p: loss_fn(z, p[rows]), self.chunk)
+            else:
+                step_loss = loss_fn(F.linear(hidden, weight), p).mean()
+            loss = loss + self.decay**j * step_loss
+            if labels is not None:
+                with torch.no_grad():
+                    q = F.linear(hidden, weight)
+                    wanted = labels if index.picks[j] is None else labels.index_select(0, index.picks[j])
+                    agree = torch.zeros(tokens.shape[0] * (tokens.shape[1] - 1), dtype=torch.bool, device=tokens.device)
+                    agree.index_copy_(0, index.entries[j], self.head.vocab[q.argmax(-1)] == wanted)
+                    correct = agree if correct is None else correct & agree
+                    if j == 0:
+                        metrics["tvd_0"] = losses.tvd(*losses.full(q, p, 1.0)).sum()
+                    metrics[f"accepted_{j}"] = correct.sum().float()
+                    metrics[f"drafted_{j}"] = torch.tensor(float(len(index.entries[j])))
+        return loss / sum(self.decay**j for j in range(self.steps)), metrics
 
 
 def tau_of(metrics: dict[str, float], steps: int) -> dict[str, float]:
@@ -158,21 +201,22 @@ class EagleObjective:
 
         self.cfg, self.aux_layers, self.layer_config, self.verifier = cfg, aux_layers, layer_config, verifier
         self.vocab = torch.tensor(vocab)
-        self.loss_fn = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta)  # over the draft vocabulary
+        self.loss_fn = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta, compiled=cfg.compile)  # over the draft vocabulary
         self.kept = KeptStates(cfg.target_states_gib * 2**30)
 
     @torch.no_grad()
     def target_outputs(self, target, batch) -> tuple[Tensor, Tensor]:
-        """The target's hidden states entering the aux layers [B, S, F] and its logits over the draft
-        vocabulary [B, S, V'] at every position. A kept row's states (features and final states, [S_row, F + H])
-        come from the first forward over it; its padding reads zeros, which no position that counts attends to
-        (right padding, causal attention)."""
+        """The target's hidden states entering the aux layers at every position [B, S, F] and its logits over the
+        draft vocabulary at the batch's response positions [N, V']. A kept row's states (features and final
+        states, [S_row, F + H]) come from the first forward over it; its padding reads zeros, which no position
+        that counts attends to (right padding, causal attention)."""
         parts = self.kept.rows(batch, lambda: self.row_states(target, batch))
         states = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)  # [B, S, F + H]
         width = states.shape[-1] - target.config.hidden_size
         self.vocab = self.vocab.to(batch.input_ids.device)
         head_rows = target.get_output_embeddings().weight[self.vocab]  # [V', hidden]
-        return states[..., :width], F.linear(states[..., width:], head_rows)
+        final = states[..., width:].flatten(0, 1).index_select(0, batch.predict_index)
+        return states[..., :width], F.linear(final, head_rows)
 
     def row_states(self, target, batch) -> list[Tensor]:
         """The target's forward over the batch: each row's features and final states at its own positions."""
@@ -188,7 +232,7 @@ class EagleObjective:
 
     def loss(self, student, target, batch) -> Tensor:
         features, logits = self.target_outputs(target, batch)
-        loss, _ = student(batch.input_ids, features, logits, batch.predict, self.loss_fn)
+        loss, _ = student(batch.input_ids, features, logits, UnrollIndex.of(batch, getattr(student, "module", student).steps), self.loss_fn)
         return loss
 
     @torch.no_grad()
@@ -203,7 +247,7 @@ class EagleObjective:
         for i in range(0, len(rows), self.cfg.batch_size):
             batch = collate(rows[i : i + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
             features, logits = self.target_outputs(target, batch)
-            loss, metrics = student(batch.input_ids, features, logits, batch.predict, self.loss_fn)
+            loss, metrics = student(batch.input_ids, features, logits, UnrollIndex.of(batch, student.steps), self.loss_fn, batch.labels)
             loss_sum += loss.item() * metrics["drafted_0"].item()
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value.item()

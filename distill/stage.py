@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,6 +36,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 
+    started = time.time()
     reference = load_reference(inputs["target"])
     target_dir = Path(reference["path"])
     rows = load_teacher(inputs["teacher"]).to_list()
@@ -83,7 +85,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         "eval_loss_final": last.get("eval_loss"),
         "train_loss_final": result["final_train_loss"],
         "train_tokens": result["train_tokens"],
-        "tokens_per_s": round(result["tokens_per_s"], 1),
+        "tokens_per_s": round(result["tokens_per_s"], 1),  # over the optimizer steps
+        "tokens_per_s_stage": round(result["tokens_this_run"] / (time.time() - started), 1),  # loading, compiling, evaluations too
         "draft_vocab_size": len(vocab),
         "draft_vocab_coverage": round(covered, 4),
         **{k: v for k, v in last.items() if k.startswith(("eval_alpha", "eval_tau"))},
@@ -112,7 +115,9 @@ def eagle_student(cfg: DraftsmithConfig, target, reference: dict, vocab: list[in
     head, layer_config = eagle.build_head(Path(reference["path"]), cfg.draft.num_layers, aux, vocab, cfg.seed)
     verifier = {"name_or_path": reference["name_or_path"], "architectures": [reference["architecture"]]}
     objective = eagle.EagleObjective(cfg.distill, aux, vocab, layer_config, verifier)
-    student = eagle.UnrolledHead(head, target.get_input_embeddings(), cfg.draft.ttt_steps, cfg.draft.ttt_decay)
+    student = eagle.UnrolledHead(
+        head, target.get_input_embeddings(), cfg.draft.ttt_steps, cfg.draft.ttt_decay, chunk=cfg.distill.loss_chunk_size
+    )
     if main and not (initial / "config.json").is_file():
         objective.save(student, initial)
     return student, objective

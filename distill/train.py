@@ -265,14 +265,17 @@ def compile_layers(model: torch.nn.Module) -> None:
     """distill.compile: torch.compile a transformers model's decoder layers in place, one by one (regional
     compilation). Its layers run the same code, so they share one compiled graph per mode (training, no
     grad) and compiling takes seconds where the whole model took minutes; dynamic shapes, since packed rows
-    change shape every step. Other models (an EAGLE-3 head unrolled for training) compile whole. In place
-    either way: the optimizer and checkpoints see the module's own parameters and names."""
+    change shape every step. A model with its own `compile_training` (an EAGLE-3 head unrolled for training)
+    compiles what it chooses. In place either way: the optimizer and checkpoints see the module's own
+    parameters and names."""
     import torch._dynamo
     from transformers import PreTrainedModel
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # modes x models x dtypes
-    layers = model.get_decoder().layers if isinstance(model, PreTrainedModel) else [model]
-    for layer in layers:
+    if not isinstance(model, PreTrainedModel):
+        model.compile_training()
+        return
+    for layer in model.get_decoder().layers:
         layer.compile(dynamic=True)
 
 
@@ -454,6 +457,7 @@ class Distiller:
             "train_tokens": tokens,
             "final_train_loss": loss_value,
             "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0,
+            "tokens_this_run": tokens - tokens_at_start,  # not those of a run this one resumed
         }
 
     def save_draft(self, out_dir: Path) -> None:

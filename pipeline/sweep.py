@@ -21,6 +21,7 @@ SWEEP_DIR_ENV = "DRAFTSMITH_SWEEP_DIR"
 COLUMNS = (
     ("distill", "tvd_final", "held-out TVD"),
     ("distill", "tokens_per_s", "train tok/s"),
+    ("distill", "tokens_per_s_stage", "stage tok/s"),
     ("quantize", "tvd_rise_rel", "AWQ TVD rise"),
     ("evaluate", "alpha", "alpha (K=1)"),
     ("evaluate", "num_speculative_tokens", "K"),

@@ -52,7 +52,8 @@ def test_the_eagle3_sweep_resolves_to_a_grid_of_heads():
     cfg = validate(composed("preset=eagle3_sweep", "distill.teacher.extra_samples=15", "distill.max_steps=4000", "draft.ttt_steps=7"))
     assert cfg.draft.kind.value == "eagle3" and cfg.device.value == "cuda" and cfg.distill.compile  # the gpu preset's, for a head
     assert (cfg.distill.teacher.extra_samples, cfg.distill.max_steps, cfg.draft.ttt_steps) == (15, 4000, 7)
-    assert (cfg.distill.batch_size, cfg.distill.learning_rate, cfg.distill.teacher.batch_size) == (64, 1e-3, 128)
+    assert (cfg.distill.batch_size, cfg.distill.learning_rate, cfg.distill.teacher.batch_size) == (128, 1e-3, 128)
+    assert cfg.distill.target_states_gib == 32
 
 
 @pytest.mark.parametrize(

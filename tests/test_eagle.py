@@ -228,3 +228,59 @@ def test_kept_target_states_train_the_head_as_the_online_target_does(tiny_models
         online, kept = ([h[key] for h in histories[gib] if key in h] for gib in (0.0, 1.0))
         assert kept == pytest.approx(online, rel=1e-5), key
     assert forwards[1.0] < forwards[0.0]  # the second epoch's batches and the second evaluation run no target
+
+
+def test_the_indexed_loss_is_the_masked_definition(tiny_models):
+    """Training gathers each step's entries by indices made on the host (no device sync) and takes the loss chunk
+    by chunk: the same loss, gradient and acceptance counts as selecting by boolean masks over the whole
+    [B, E] unroll, as the module's docstring defines them. One row has a one-token prompt, whose first
+    response position no step reads."""
+    from draftsmith.distill import losses
+    from draftsmith.distill.train import collate
+    from torch.nn import functional as F
+
+    target_dir = tiny_models["smollm2"][0]
+    vocab = list(range(0, 97, 2))
+    head, _ = eagle.build_head(target_dir, 1, eagle.resolve_aux_layers([], 3), vocab, seed=3)
+    embeddings = torch.nn.Embedding(97, 96)
+    g = torch.Generator().manual_seed(0)
+    rows = [
+        {"prompt_ids": torch.randint(97, (n,), generator=g).tolist(), "response_ids": torch.randint(97, (m,), generator=g).tolist()}
+        for n, m in ((1, 6), (4, 9), (7, 3), (2, 12))
+    ]
+    batch = collate(rows, 64, torch.device("cpu"))
+    B, S = batch.input_ids.shape
+    features = torch.randn(B, S, 3 * 96, generator=g)
+    all_logits = torch.randn(B, S, len(vocab), generator=g)  # the target's, at every position
+    loss_fn = losses.against_logits("forward_kl", 1.0, 0.5)
+
+    # the definition: step j's entry t is wanted where position t + j + 1 predicts a response token
+    expected_loss, expected = torch.zeros(()), {}
+    correct = torch.ones(B, S - 1, dtype=torch.bool)
+    head.zero_grad()
+    for j, hidden in enumerate(head.unroll(batch.input_ids, features, embeddings, 4)):
+        wanted = F.pad(batch.predict[:, j + 1 :], (0, j))
+        q = head.logits(hidden[wanted])
+        expected_loss = expected_loss + 0.8**j * loss_fn(q, F.pad(all_logits[:, j + 1 :], (0, 0, 0, j))[wanted]).mean()
+        agree = torch.zeros_like(correct)
+        agree[wanted] = head.vocab[q.argmax(-1)] == F.pad(batch.input_ids[:, j + 2 :], (0, j + 1))[wanted]
+        correct &= agree
+        expected[f"accepted_{j}"], expected[f"drafted_{j}"] = (correct & wanted).sum().item(), wanted.sum().item()
+    expected_loss = expected_loss / sum(0.8**j for j in range(4))
+    expected_loss.backward()
+    expected_grads = [p.grad.clone() for p in head.parameters()]
+
+    target_logits = all_logits.flatten(0, 1)[batch.predict_index]
+    for chunk in (0, 5):
+        head.zero_grad()
+        student = eagle.UnrolledHead(head, embeddings, steps=4, decay=0.8, chunk=chunk)
+        index = eagle.UnrollIndex.of(batch, 4)
+        # step j reads response positions s > j: the one-token prompt's s = 0 at no step, its s = 1 and the
+        # two-token prompt's s = 1 at step 0 only
+        assert len(index.entries[0]) == batch.num_targets - 1 and len(index.entries[1]) == batch.num_targets - 3
+        loss, metrics = student(batch.input_ids, features, target_logits, index, loss_fn, batch.labels)
+        loss.backward()
+        torch.testing.assert_close(loss, expected_loss)
+        assert {k: v.item() for k, v in metrics.items() if k != "tvd_0"} == expected
+        for p, want in zip(head.parameters(), expected_grads):
+            torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
