@@ -100,8 +100,15 @@ class EagleLayer(nn.Module):
         q, k, v = self.attention.project(x, cos, sin)
         cache.append((k.transpose(1, 2), v.transpose(1, 2)))  # [B, H_kv, E, D]
         keys, values = (torch.cat(parts, dim=2) for parts in zip(*cache))
-        h = residual + self.attention.attend(q, keys, values, mask)
+        h = residual + _attend_eagerly(self.attention, q, keys, values, mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+@torch.compiler.disable
+def _attend_eagerly(attention: Attention, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """Training-time test's attention, outside a compiled unroll (distill.compile): inductor fails on attention
+    with a boolean mask over a symbolic number of keys (CUDA, torch 2.11); SDPA's own fused kernel runs instead."""
+    return attention.attend(q, keys, values, mask)
 
 
 class EagleHead(CachedModel):
