@@ -2,9 +2,10 @@
 online, for the trainer's settings (the loss over the whole batch at once or in chunks, padded or packed
 rows, torch.compile), each run the same number of times in rounds, with the median and the spread.
 
-    python3 benchmarks/profile_train.py [--cache-dir DIR] [--batch 128] [--steps 12] [--repeats 3]
+    python3 benchmarks/profile_train.py [--cache-dir DIR] [--batch 128] [--steps 12] [--repeats 3] [--head]
 
-The demo target (bf16) and a 4-layer draft built from it, as the gpu preset trains them; the rows are
+The demo target (bf16) and a 4-layer draft built from it, as the gpu preset trains them (--head: an EAGLE-3
+head as preset=eagle3_sweep trains it); the rows are
 random tokens with the gpu preset's lengths (prompts of 30-90 tokens, responses of 60-256, mean ~160),
 since throughput does not depend on what the tokens are. Each run trains a fresh draft for --warmup
 steps, then --steps timed ones; tokens are response tokens, as the distill stage counts them. The warm-up
@@ -33,6 +34,13 @@ VARIANTS = {  # name -> DistillConfig overrides
     "chunked, packed, kept states, compiled": {"loss_chunk_size": 4096, "pack_sequences": True, "compile": True, "target_states_gib": 8.0},
 }
 DEFAULT_VARIANTS = ["chunked, packed", "chunked, packed, kept states", "chunked, packed, kept states, compiled"]
+HEAD_VARIANTS = {  # --head: an EAGLE-3 head (preset=eagle3_sweep's: one layer, 8,192 tokens, unrolled 7 steps), kept states
+    "head, chunked": {"loss_chunk_size": 4096, "target_states_gib": 32.0},
+    "head, whole loss": {"loss_chunk_size": 0, "target_states_gib": 32.0},
+    "head, chunked, compiled": {"loss_chunk_size": 4096, "compile": True, "target_states_gib": 32.0},
+    "head, whole loss, compiled": {"loss_chunk_size": 0, "compile": True, "target_states_gib": 32.0},
+}
+HEAD_STEPS, HEAD_VOCAB = 7, 8192
 
 
 def synthetic_rows(n: int, vocab: int, seed: int) -> list[dict]:
@@ -47,21 +55,29 @@ def synthetic_rows(n: int, vocab: int, seed: int) -> list[dict]:
     ]
 
 
-def one_run(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], warmup: int, work: Path, cpu: bool) -> tuple[float, float]:
+def one_run(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool) -> tuple[float, float]:
     """(training tokens/s over the timed steps, peak GPU memory in GiB) of a fresh draft and a freshly
-    loaded target (distill.compile compiles the target's layers in place)."""
+    loaded target (distill.compile compiles the target's layers in place); draft_dir None: an EAGLE-3 head."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.distill.train import Distiller, DraftObjective
 
     seen: list[tuple[int, float]] = []
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32 if cpu else torch.bfloat16)
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    if draft_dir is None:  # --head
+        from draftsmith.distill import eagle
+
+        aux = eagle.resolve_aux_layers([], target.config.num_hidden_layers)
+        head, layer_config = eagle.build_head(target_dir, 1, aux, list(range(HEAD_VOCAB)), seed=0)
+        objective = eagle.EagleObjective(cfg, aux, list(range(HEAD_VOCAB)), layer_config, {})
+        draft = eagle.UnrolledHead(head, target.get_input_embeddings(), HEAD_STEPS, 0.8, chunk=cfg.loss_chunk_size)
+    else:
+        draft, objective = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), DraftObjective(cfg, online=True)
     distiller = Distiller(
         cfg,
         draft,
         target,
-        DraftObjective(cfg, online=True),
+        objective,
         rows,
         [],
         work,
@@ -76,7 +92,7 @@ def one_run(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], warmup: in
     return statistics.harmonic_mean(timed), 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 
-def profile(cfg, target_dir: Path, draft_dir: Path, rows: list[dict], work: Path, cpu: bool) -> str:
+def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], work: Path, cpu: bool) -> str:
     """The heaviest operations of a run of `cfg` by GPU time, the trainer's own phases (target forward,
     draft forward, chunked loss, backward) among them."""
     from torch.profiler import ProfilerActivity
@@ -103,21 +119,24 @@ def main() -> None:
         "--profile", action="store_true", help="then one more run of the last variant under torch.profiler: where a step's GPU time goes"
     )
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script, not a measurement")
-    parser.add_argument("--variant", action="append", choices=list(VARIANTS), help=f"default: {'; '.join(DEFAULT_VARIANTS)}")
+    parser.add_argument("--head", action="store_true", help=f"train an EAGLE-3 head instead (default variants: {'; '.join(HEAD_VARIANTS)})")
+    parser.add_argument("--variant", action="append", choices=[*VARIANTS, *HEAD_VARIANTS], help=f"default: {'; '.join(DEFAULT_VARIANTS)}")
     args = parser.parse_args()
 
     target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
     cpu = args.device == "cpu"
     base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=args.warmup + args.steps, eval_every=10**9)
     rows = synthetic_rows(args.batch * args.warmup, read_config(target_dir)["vocab_size"], seed=0)  # one pass in warm-up
-    names = args.variant or DEFAULT_VARIANTS
+    variants = HEAD_VARIANTS if args.head else VARIANTS
+    names = args.variant or (list(HEAD_VARIANTS) if args.head else DEFAULT_VARIANTS)
     rates: dict[str, list[float]] = {name: [] for name in names}
     memory: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        draft_dir = build_from_target(target_dir, Path(tmp) / "draft", every_nth_layer(read_config(target_dir)["num_hidden_layers"], 4))
+        layers = every_nth_layer(read_config(target_dir)["num_hidden_layers"], 4)
+        draft_dir = None if args.head else build_from_target(target_dir, Path(tmp) / "draft", layers)
         for round_ in range(args.repeats):
             for name in names:
-                cfg = replace(base, **VARIANTS[name])
+                cfg = replace(base, **variants[name])
                 started = time.time()
                 try:
                     rate, memory[name] = one_run(cfg, target_dir, draft_dir, rows, args.warmup, Path(tmp) / f"work{round_}{name}", cpu)
@@ -127,7 +146,7 @@ def main() -> None:
                 rates[name].append(rate)
                 print(f"round {round_ + 1} {name}: {rate:,.0f} tokens/s ({time.time() - started:.0f} s)", flush=True)
         if args.profile:
-            print(profile(replace(base, **VARIANTS[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu))
+            print(profile(replace(base, **variants[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu))
     baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
     print(
         f"\nbatch {args.batch} rows, {args.steps} timed steps after {args.warmup}, {args.repeats} rounds; "
