@@ -6,6 +6,8 @@
 #   bash benchmarks/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
 #   bash benchmarks/h200_bench.sh eagle_sweep [OVERRIDES]  preset=eagle3_sweep through publish (overrides narrow the grid:
 #                                            draft.ttt_steps=4,7 distill.max_steps=4000); LIMIT a call, a rerun resumes
+#   bash benchmarks/h200_bench.sh eagle_chat   the measured head recipe (preset=eagle3_sweep) on a general-chat domain, CHAT
+#                                            (.gpu/alpaca_eval.jsonl: AlpacaEval's 805 instructions, benchmarks/chat_assets.py)
 #   bash benchmarks/h200_bench.sh standalone   demo target -> distilled W4A16 draft model, 400 steps (stops after quantize)
 #   bash benchmarks/h200_bench.sh pipeline [OVERRIDES]   the gpu preset's draft model as shipped, through evaluate
 #                                            (a sweep when an override lists values: draft.num_layers=4,2)
@@ -51,10 +53,11 @@ limit=${LIMIT:-570}
 newest() { ls -td $1 2>/dev/null | head -1; }
 get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:${PORT:-$port}$1').read().decode())"; }
 common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs)
-# the EAGLE-3 head: 3 more sampled responses per training prompt, 64 sequences a step, STEPS steps
+# the EAGLE-3 head as measured best (RESULTS.md, 2026-12-04): 15 more sampled responses per training prompt, 128
+# sequences a step with every row's target states kept, a 7-step unroll, STEPS steps
 steps=${STEPS:-2000}
-eagle=(draft=eagle3 distill.teacher.extra_samples=3 distill.teacher.batch_size=128 distill.batch_size=64
-       distill.learning_rate=1e-3 distill.max_steps=$steps distill.eval_every=$((steps < 500 ? steps : 500)))
+eagle=(draft=eagle3 draft.ttt_steps=7 distill.teacher.extra_samples=15 distill.teacher.batch_size=128 distill.batch_size=128
+       distill.target_states_gib=32 distill.learning_rate=1e-3 distill.max_steps=$steps distill.eval_every=$((steps < 500 ? steps : 500)))
 
 # the published bundle: BUNDLE if given (a carried copy), else this machine's newest
 bundle() {
@@ -103,7 +106,7 @@ sweep_results() {  # prefix: each job of the newest sweep: its result.json and e
   done
 }
 
-case "${1:?tests, train, eagle, eagle_sweep, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b or scale}" in
+case "${1:?tests, train, eagle, eagle_sweep, eagle_chat, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b or scale}" in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py tests/test_penalties.py 2>&1 | tail -15
   ;;
@@ -116,6 +119,11 @@ eagle)
   for s in teacher distill evaluate publish; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/${s}_stage.json" || true; done
   cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
   cp -r "$(newest "$root/runs/publish/*")/bundle" "$out/bundle" || true
+  ;;
+eagle_chat)  # the measured head recipe on a general-chat domain: CHAT (.gpu/alpaca_eval.jsonl, benchmarks/chat_assets.py)
+  timeout "$limit" "${cli[@]}" run preset=eagle3_sweep "${common[@]:1}" data.path="$(realpath "${CHAT:-.gpu/alpaca_eval.jsonl}")" \
+    stop_after=publish 2>&1 | tail -40 || true
+  cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
   ;;
 standalone)
   timeout "$limit" "${cli[@]}" run "${common[@]}" distill.max_steps=400 distill.eval_every=400 stop_after=quantize 2>&1 | tail -40 || true

@@ -54,6 +54,8 @@ def test_the_eagle3_sweep_resolves_to_a_grid_of_heads():
     assert (cfg.distill.teacher.extra_samples, cfg.distill.max_steps, cfg.draft.ttt_steps) == (15, 4000, 7)
     assert (cfg.distill.batch_size, cfg.distill.learning_rate, cfg.distill.teacher.batch_size) == (128, 1e-3, 128)
     assert cfg.distill.target_states_gib == 32
+    best = validate(composed("preset=eagle3_sweep"))  # without -m: the best head measured so far
+    assert (best.distill.teacher.extra_samples, best.distill.max_steps, best.draft.ttt_steps) == (15, 2000, 7)
 
 
 @pytest.mark.parametrize(
