@@ -201,7 +201,8 @@ class EagleObjective:
 
         self.cfg, self.aux_layers, self.layer_config, self.verifier = cfg, aux_layers, layer_config, verifier
         self.vocab = torch.tensor(vocab)
-        self.loss_fn = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta, compiled=cfg.compile)  # over the draft vocabulary
+        # over the draft vocabulary
+        self.loss_fn = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta, compiled=cfg.compile)
         self.kept = KeptStates(cfg.target_states_gib * 2**30)
 
     @torch.no_grad()

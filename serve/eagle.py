@@ -106,8 +106,8 @@ class EagleLayer(nn.Module):
 
 @torch.compiler.disable
 def _attend_eagerly(attention: Attention, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """Training-time test's attention, outside a compiled unroll (distill.compile): inductor fails on attention
-    with a boolean mask over a symbolic number of keys (CUDA, torch 2.11); SDPA's own fused kernel runs instead."""
+    """Training-time test's attention, outside a compiled unroll (distill.compile): with it inside, inductor stopped
+    on an AssertionError on an H200 (torch 2.11, dynamic shapes); SDPA's own fused kernel runs instead."""
     return attention.attend(q, keys, values, mask)
 
 

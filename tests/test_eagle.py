@@ -235,9 +235,10 @@ def test_the_indexed_loss_is_the_masked_definition(tiny_models):
     by chunk: the same loss, gradient and acceptance counts as selecting by boolean masks over the whole
     [B, E] unroll, as the module's docstring defines them. One row has a one-token prompt, whose first
     response position no step reads."""
+    from torch.nn import functional as F
+
     from draftsmith.distill import losses
     from draftsmith.distill.train import collate
-    from torch.nn import functional as F
 
     target_dir = tiny_models["smollm2"][0]
     vocab = list(range(0, 97, 2))
