@@ -3,7 +3,7 @@
 Every row runs `repeats` times after a warm-up run (which captures CUDA graphs and compiles), and
 reports the median tokens/s with the spread (slowest and fastest run) and the target steps taken.
 At batch 1, the held-out demo prompts one after another, greedy, exactly `new_tokens` tokens each
-(EOS ignored): optionally transformers `generate` and assisted generation, draftsmith plain decoding
+(EOS ignored; with stop_at_eos each answer ends at EOS, as served, and tokens/s counts the tokens generated): optionally transformers `generate` and assisted generation, draftsmith plain decoding
 (eager and CUDA graphs only when asked; CUDA graphs and compiled blocks always), and speculative
 decoding with each draft (a draft model or an EAGLE-3 head) at each K. Then at batch `batch`
 (continuous batching, CUDA graphs and compiled blocks as `draftsmith serve` runs): 4 x batch requests,
@@ -98,7 +98,14 @@ def timed(
 
 
 def bench_transformers(
-    target_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: str, repeats: int, assistant_dir: Path | None = None
+    target_dir: Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    device: str,
+    dtype: str,
+    repeats: int,
+    assistant_dir: Path | None = None,
+    stop_at_eos: bool = False,
 ) -> BenchRow:
     from transformers import AutoModelForCausalLM
 
@@ -106,7 +113,7 @@ def bench_transformers(
     kwargs = {}
     if assistant_dir is not None:
         kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=DTYPES[dtype]).to(device).eval()
-    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=0 if stop_at_eos else new_tokens, do_sample=False, **kwargs)
 
     def run():
         outputs = [model.generate(torch.tensor([p], device=device), **settings)[0, len(p) :].tolist() for p in prompts]
@@ -117,10 +124,9 @@ def bench_transformers(
 
 
 def bench_engine(
-    engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, repeats: int, device: str
+    engine: Engine, method: str, prompts: list[list[int]], params: SamplingParams, k: int, repeats: int, device: str
 ) -> tuple[BenchRow, list[list[int]]]:
     """Batch 1, prompt after prompt."""
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
     def run():
         runs = [engine.generate([p], params, num_speculative_tokens=k) for p in prompts]
@@ -133,7 +139,15 @@ def bench_engine(
 
 
 def bench_batch(
-    engine: Engine, method: str, prompts: list[list[int]], new_tokens: int, k: int, adaptive: bool, requests: int, repeats: int, device: str
+    engine: Engine,
+    method: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    k: int,
+    adaptive: bool,
+    requests: int,
+    repeats: int,
+    device: str,
 ) -> tuple[BenchRow, list[list[int]]]:
     """`requests` requests (the prompts, cycled) through the continuous-batching scheduler."""
     scheduler = Scheduler(engine, k, adaptive=adaptive)
@@ -141,7 +155,6 @@ def bench_batch(
     # shrinks as the last requests finish, and a bucket first met inside a timed run compiles there (likely why
     # a W4A16 draft's third run on the H200 took 28 s where the others took ~2 s); greedy: no sampled forwards
     scheduler.warm_up(full=False)
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
     def run():
         completions, steps, stats = scheduler.run_all([prompts[i % len(prompts)] for i in range(requests)], params)
@@ -172,14 +185,20 @@ def run_bench(
     with_assisted: bool = False,
     with_eager: bool = False,
     batch: int = 16,
+    stop_at_eos: bool = False,
 ) -> list[BenchRow]:
     max_seq_len = max(len(p) for p in prompts) + new_tokens + max(ks) + 8
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=not stop_at_eos)
     rows: list[BenchRow] = []
     if with_transformers:
-        rows.append(bench_transformers(target_dir, prompts, new_tokens, device, dtype, repeats))
+        rows.append(bench_transformers(target_dir, prompts, new_tokens, device, dtype, repeats, stop_at_eos=stop_at_eos))
     standalone = [d for d, name in zip(drafts, draft_names(drafts)) if name.startswith("draft")]
     if with_assisted and standalone:
-        rows.append(bench_transformers(target_dir, prompts, new_tokens, device, dtype, repeats, assistant_dir=standalone[0]))
+        rows.append(
+            bench_transformers(
+                target_dir, prompts, new_tokens, device, dtype, repeats, assistant_dir=standalone[0], stop_at_eos=stop_at_eos
+            )
+        )
     target = load_model(target_dir, DTYPES[dtype], device)
     models = {name: load_draft(d, DTYPES[dtype], device) for name, d in zip(draft_names(drafts), drafts)}
     eos = eos_ids_of(target_dir)
@@ -188,13 +207,13 @@ def run_bench(
     if graphs and with_eager:  # what CUDA graphs alone save, then what compiling the blocks adds
         for method, graph in (("plain, eager", False), ("plain, CUDA graphs", True)):
             engine = Engine(target, max_seq_len=max_seq_len, cuda_graphs=graph, compile_blocks=False, eos_token_ids=eos)
-            rows.append(bench_engine(engine, method, prompts, new_tokens, 0, repeats, device)[0])
+            rows.append(bench_engine(engine, method, prompts, params, 0, repeats, device)[0])
     mode = "graphs+compile" if graphs else "eager"
     row, plain = bench_engine(
         Engine(target, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos),
         f"plain, {mode}",
         prompts,
-        new_tokens,
+        params,
         0,
         repeats,
         device,
@@ -203,7 +222,7 @@ def run_bench(
     for name, draft in models.items():
         engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
         for k in ks:
-            row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, new_tokens, k, repeats, device)
+            row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, params, k, repeats, device)
             row.matches_plain = tokens == plain
             rows.append(row)
     if batch > 1:
@@ -212,14 +231,14 @@ def run_bench(
         engine_of = lambda draft=None: Engine(
             target, draft, max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos
         )
-        row, plain_batch = bench_batch(engine_of(), f"plain, batch {batch}", prompts, new_tokens, 0, False, requests, repeats, device)
+        row, plain_batch = bench_batch(engine_of(), f"plain, batch {batch}", prompts, params, 0, False, requests, repeats, device)
         rows.append(row)
         for name, draft in models.items():
             row, tokens = bench_batch(
                 engine_of(draft),
                 f"{name} adaptive K<={max(ks)}, batch {batch}",
                 prompts,
-                new_tokens,
+                params,
                 max(ks),
                 True,
                 requests,

@@ -98,7 +98,12 @@ def bench_decode(
         "default: the target's embeddings, head and --draft-layers of its layers",
     ),
     draft_layers: int = typer.Option(4, help="layers of the default from-target draft"),
-    new_tokens: int = typer.Option(256, help="tokens generated per prompt (EOS ignored)"),
+    new_tokens: int = typer.Option(256, help="tokens generated per prompt (EOS ignored unless --stop-at-eos)"),
+    stop_at_eos: bool = typer.Option(
+        False,
+        "--stop-at-eos",
+        help="end each answer at EOS, as served (else exactly --new-tokens: text past an answer's end is easier to draft)",
+    ),
     prompts: int = typer.Option(8, help="held-out demo prompts, run one after another at batch 1"),
     batch: int = typer.Option(16, help="also measure continuous batching with this many requests at once (0: skip)"),
     k: list[int] = typer.Option([2, 4, 6], "--k", help="num_speculative_tokens to measure (repeatable)"),
@@ -145,8 +150,10 @@ def bench_decode(
             with_assisted=assisted,
             with_eager=eager,
             batch=batch,
+            stop_at_eos=stop_at_eos,
         )
-    title = f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {new_tokens} new tokens, greedy, median of {repeats} runs"
+    length = f"up to {new_tokens} new tokens (to EOS)" if stop_at_eos else f"{new_tokens} new tokens"
+    title = f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {length}, greedy, median of {repeats} runs"
     table = results_table(rows, title)
     Console().print(table)
     if out:

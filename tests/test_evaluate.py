@@ -408,6 +408,35 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
     assert k3.tau > 1 and k3.target_steps < plain.target_steps  # drafts were kept: fewer target steps
 
 
+def test_bench_decode_stops_at_eos_when_asked_and_every_row_stops_alike(tiny_models, tmp_path):
+    # a copy of the target whose EOS is a token its greedy text reaches early: with stop_at_eos every row's answers
+    # end there (fewer tokens than asked), and speculative rows still emit plain decoding's tokens
+    import json
+    import shutil
+
+    from draftsmith.evaluate.bench_decode import run_bench
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.weights import load_model
+    from tests.test_speculative import random_prompts
+
+    target_dir, draft_dir = tiny_models["llama"]
+    prompts = random_prompts(3, 97, seed=4)
+    first = Engine(load_model(target_dir, torch.float64), max_seq_len=64).generate([prompts[0]], SamplingParams(max_new_tokens=12))
+    target = shutil.copytree(target_dir, tmp_path / "target")
+    for name in ("config.json", "generation_config.json"):
+        if (target / name).is_file():
+            config = json.loads((target / name).read_text())
+            (target / name).write_text(json.dumps({**config, "eos_token_id": first.completions[0].tokens[3]}))
+    rows = run_bench(
+        target, [draft_dir], prompts, new_tokens=12, ks=(1, 3), device="cpu", dtype="float64", repeats=1, batch=2, stop_at_eos=True
+    )
+    plain, k1, k3, plain_batch, adaptive = rows
+    assert plain.tokens == k1.tokens == k3.tokens < 3 * 12  # the first prompt's answer, at least, ended early
+    assert plain_batch.tokens == adaptive.tokens < 8 * 12
+    assert k1.matches_plain and k3.matches_plain and adaptive.matches_plain
+
+
 def test_an_eval_json_of_the_earlier_format_reads_in_this_formats_names(tmp_path):
     from draftsmith.evaluate.report import read_report
 
