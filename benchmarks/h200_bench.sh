@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README's Benchmarks section, on the offline GPU machine, as calls of under
 # 10 minutes each (after `source .gpu/prelude.sh`, see ../shared/gpu/README.md), in this order:
-#   bash benchmarks/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads)
+#   bash benchmarks/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads, flex attention)
 #   bash benchmarks/h200_bench.sh train        distillation tokens/s by trainer setting (benchmarks/profile_train.py)
 #   bash benchmarks/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
 #   bash benchmarks/h200_bench.sh eagle_sweep [OVERRIDES]  preset=eagle3_sweep through publish (overrides narrow the grid:
@@ -108,7 +108,7 @@ sweep_results() {  # prefix: each job of the newest sweep: its result.json and e
 
 case "${1:?tests, train, eagle, eagle_sweep, eagle_chat, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b or scale}" in
 tests)
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py tests/test_penalties.py 2>&1 | tail -15
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py tests/test_penalties.py tests/test_eagle.py 2>&1 | tail -15
   ;;
 train)  # further arguments go to profile_train (--variant, --batch, --profile)
   shift

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.distill import losses
-from draftsmith.serve.eagle import EagleHead, HeadShape, default_aux_layers, layer_config_of
+from draftsmith.serve.eagle import EagleHead, HeadShape, default_aux_layers, layer_config_of, ttt_block_mask
 from draftsmith.serve.model import ModelArgs
 from draftsmith.serve.proposers import VOCAB_FILE
 from draftsmith.serve.weights import read_config
@@ -130,9 +130,9 @@ class UnrolledHead(nn.Module):
     The unroll itself (every step's layers and final norm) is one function that distill.compile compiles;
     the loss over the draft vocabulary runs chunk by chunk after it (distill.loss_chunk_size)."""
 
-    def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float, chunk: int = 0):
+    def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float, chunk: int = 0, flex: bool = False):
         super().__init__()
-        self.head, self.steps, self.decay, self.chunk = head, steps, decay, chunk
+        self.head, self.steps, self.decay, self.chunk, self.flex = head, steps, decay, chunk, flex
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
         self.__dict__["states"] = self._states  # distill.compile: compile_training replaces it
 
@@ -140,12 +140,12 @@ class UnrolledHead(nn.Module):
         """torch.compile the unroll whole (dynamic shapes: rows differ in length batch to batch)."""
         self.__dict__["states"] = torch.compile(self._states, dynamic=True)
 
-    def _states(self, tokens: Tensor, features: Tensor, entries: tuple[Tensor, ...]) -> list[Tensor]:
+    def _states(self, tokens: Tensor, features: Tensor, entries: tuple[Tensor, ...], masks: list | None) -> list[Tensor]:
         """Step j's normalised hidden states at its entries `entries[j]` [N_j, hidden] (what the LM head reads)."""
         head = self.head
         return [
             head.norm(hidden.flatten(0, 1).index_select(0, at))
-            for at, hidden in zip(entries, head.unroll(tokens, features, self.embeddings, self.steps))
+            for at, hidden in zip(entries, head.unroll(tokens, features, self.embeddings, self.steps, masks))
         ]
 
     def forward(
@@ -159,7 +159,8 @@ class UnrolledHead(nn.Module):
         loss = weight.new_zeros((), dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
         correct = None  # [B * E]: every step so far agreed
-        for j, hidden in enumerate(self.states(tokens, features, index.entries)):
+        masks = [ttt_block_mask(tokens.shape[1] - 1, j, tokens.device) for j in range(self.steps)] if self.flex else None
+        for j, hidden in enumerate(self.states(tokens, features, index.entries, masks)):
             p = target_logits if index.picks[j] is None else target_logits.index_select(0, index.picks[j])
             if self.chunk > 0:
                 step_loss = losses.chunked_mean(hidden, weight, lambda z, rows, p=p: loss_fn(z, p[rows]), self.chunk)

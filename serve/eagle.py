@@ -93,15 +93,31 @@ class EagleLayer(nn.Module):
         h = residual + self.attention(x, cos, sin, mask, rows, slots, read)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def unrolled(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def unrolled(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
         """One training-time-test step over whole sequences [B, E, hidden]: the keys and values of the
-        earlier steps are in `cache` (this step's are appended); `mask` says which each entry sees."""
+        earlier steps are in `cache` (this step's are appended); `mask` says which each entry sees (a boolean
+        tensor, ttt_mask, or flex attention's block mask, ttt_block_mask)."""
         x, residual = self.attention_input(h, embeds)
         q, k, v = self.attention.project(x, cos, sin)
         cache.append((k.transpose(1, 2), v.transpose(1, 2)))  # [B, H_kv, E, D]
         keys, values = (torch.cat(parts, dim=2) for parts in zip(*cache))
-        h = residual + _attend_eagerly(self.attention, q, keys, values, mask)
+        if isinstance(mask, Tensor):
+            attended = _attend_eagerly(self.attention, q, keys, values, mask)
+        else:
+            attended = _attend_flex(self.attention, q, keys, values, mask)
+        h = residual + attended
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _attend_flex(attention: Attention, q: Tensor, keys: Tensor, values: Tensor, block_mask) -> Tensor:
+    """Training-time test's attention through flex attention, which computes only the blocks its mask leaves
+    (step j's keys are step 0's, causally, and one key a query in each later step's block)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    B, T = q.shape[:2]
+    gqa = attention.args.num_heads != attention.args.num_kv_heads
+    y = flex_attention(q.transpose(1, 2), keys, values, block_mask=block_mask, scale=attention.scale, enable_gqa=gqa)
+    return attention.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
 @torch.compiler.disable
@@ -147,13 +163,14 @@ class EagleHead(CachedModel):
         """[..., hidden] -> logits over the draft vocabulary [..., V_draft] (entries map to self.vocab)."""
         return self.lm_head(self.norm(hidden))
 
-    def unroll(self, tokens: Tensor, features: Tensor, embeddings: nn.Module, steps: int) -> Iterator[Tensor]:
+    def unroll(self, tokens: Tensor, features: Tensor, embeddings: nn.Module, steps: int, masks: list | None = None) -> Iterator[Tensor]:
         """Training-time test over whole sequences, no cache: tokens [B, S] with the target's hidden states
         at each position features [B, S, F]; yields the hidden states [B, E = S - 1, hidden] of step 0, 1,
         ..., steps - 1. Step j's entry t stands for position t + j: it reads the token at t + j + 1 (the
         data's: a draft is only continued where the earlier ones were accepted) and its own step j - 1
         output, and attends to step 0's entries up to t and to its own earlier steps, exactly what an
-        inference step's cache holds; it predicts the token at t + j + 2."""
+        inference step's cache holds; it predicts the token at t + j + 2. masks: each step's (ttt_block_mask,
+        for flex attention); by default boolean ones (ttt_mask)."""
         E = tokens.shape[1] - 1
         hidden = self.fc(features[:, :E])
         caches: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
@@ -161,7 +178,7 @@ class EagleHead(CachedModel):
         for j in range(steps):
             embeds = embeddings(F.pad(tokens[:, j + 1 :], (0, j))).to(hidden.dtype)  # [B, E]: the token at t + j + 1
             cos, sin = rope_at(self.args, positions + j, hidden.dtype)
-            mask = ttt_mask(E, j, tokens.device)
+            mask = ttt_mask(E, j, tokens.device) if masks is None else masks[j]
             for layer, cache in zip(self.layers, caches):
                 hidden = layer.unrolled(hidden, embeds, cos, sin, mask, cache)
             yield hidden
@@ -188,6 +205,17 @@ def ttt_mask(entries: int, step: int, device: torch.device) -> Tensor:
     causal = torch.ones(entries, entries, dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(entries, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1).view(1, 1, entries, -1)
+
+
+def ttt_block_mask(entries: int, step: int, device: torch.device):
+    """ttt_mask as flex attention's block mask [E, (step + 1) E]: step 0's entries causally, then in each earlier
+    step's block the entry of the same index."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, q, kv):
+        return torch.where(kv < entries, kv <= q, kv % entries == q)
+
+    return create_block_mask(visible, None, None, entries, (step + 1) * entries, device=device)
 
 
 def rope_at(args: ModelArgs, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -285,3 +285,58 @@ def test_the_indexed_loss_is_the_masked_definition(tiny_models):
         assert {k: v.item() for k, v in metrics.items() if k != "tvd_0"} == expected
         for p, want in zip(head.parameters(), expected_grads):
             torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
+
+
+def flex_case(tiny_models):
+    """A head, an embedding and a batch of rows of uneven lengths, with random target features and logits."""
+    from draftsmith.distill.train import collate
+
+    target_dir = tiny_models["smollm2"][0]
+    head, _ = eagle.build_head(target_dir, 1, eagle.resolve_aux_layers([], 3), list(range(0, 97, 2)), seed=4)
+    g = torch.Generator().manual_seed(1)
+    rows = [
+        {"prompt_ids": torch.randint(97, (n,), generator=g).tolist(), "response_ids": torch.randint(97, (m,), generator=g).tolist()}
+        for n, m in ((3, 20), (9, 5), (2, 31))
+    ]
+    batch = collate(rows, 64, torch.device("cpu"))
+    features = torch.randn(*batch.input_ids.shape, 3 * 96, generator=g)
+    return head, torch.nn.Embedding(97, 96), batch, features, torch.randn(batch.num_targets, 49, generator=g)
+
+
+def test_flex_attention_sees_what_the_boolean_mask_lets_through(tiny_models):
+    """draft.ttt_attention=flex: the block mask leaves each step's entries exactly the keys the boolean mask does,
+    so loss and acceptance counts are the same (forward only: flex attention has no backward on a CPU; the GPU test
+    below compares gradients, compiled)."""
+    from draftsmith.distill import losses
+
+    head, embeddings, batch, features, logits = flex_case(tiny_models)
+    loss_fn = losses.against_logits("forward_kl", 1.0, 0.5)
+    index = eagle.UnrollIndex.of(batch, 4)
+    with torch.no_grad():
+        masked = eagle.UnrolledHead(head, embeddings, 4, 0.8)(batch.input_ids, features, logits, index, loss_fn, batch.labels)
+        flex = eagle.UnrolledHead(head, embeddings, 4, 0.8, flex=True)(batch.input_ids, features, logits, index, loss_fn, batch.labels)
+    torch.testing.assert_close(flex[0], masked[0])
+    assert {k: v.item() for k, v in flex[1].items() if k != "tvd_0"} == {k: v.item() for k, v in masked[1].items() if k != "tvd_0"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention trains on a GPU")
+def test_flex_attention_trains_the_head_as_the_boolean_mask_does_compiled(tiny_models):
+    from draftsmith.distill import losses
+
+    head, embeddings, batch, features, logits = flex_case(tiny_models)
+    head, embeddings = head.cuda(), embeddings.cuda()
+    loss_fn = losses.against_logits("forward_kl", 1.0, 0.5)
+    batch.input_ids, batch.labels = batch.input_ids.cuda(), batch.labels.cuda()
+    index = eagle.UnrollIndex.of(batch, 4)
+    results = []
+    for flex in (False, True):
+        student = eagle.UnrolledHead(head, embeddings, 4, 0.8, chunk=16, flex=flex)
+        student.compile_training()
+        head.zero_grad()
+        loss, _ = student(batch.input_ids, features.cuda(), logits.cuda(), index, loss_fn)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in head.parameters()]))
+    (masked, masked_grads), (flex, flex_grads) = results
+    torch.testing.assert_close(flex, masked)
+    for a, b in zip(flex_grads, masked_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
