@@ -40,9 +40,9 @@
 # EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
-# DRAFTS (HF dirs, space-separated) replaces decode's drafts; `best` there is the best job of the newest
-# `shapes` sweep, `spread4` its 4-layer spread draft and `shipped` the W4A16 drafts of the newest sweep's
-# jobs (`pipeline`), best first.
+# STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
+# replaces decode's drafts; `best` there is the best job of the newest `shapes` sweep, `spread4` its 4-layer
+# spread draft and `shipped` the W4A16 drafts of the newest sweep's jobs (`pipeline`), best first.
 set -euo pipefail
 root=${ROOT:-/root/draftsmith-gpu}
 out=${OUT:-/tmp/out}
@@ -176,7 +176,7 @@ print(rs[0]['outputs']['distill'] + '/draft')");;
     if [ -n "$standalone" ]; then drafts+=(--draft "$standalone"); fi
   fi
   "${cli[@]}" bench decode --device cuda --prompts 8 --new-tokens 256 --batch 16 --k 2 --k 3 --k 4 --k 5 --repeats 3 \
-    "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
+    ${STOP_AT_EOS:+--stop-at-eos} "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
   ;;
 serve)
   "${cli[@]}" serve "$(bundle)" --device cuda --port "$port" > "$out/serve.log" 2>&1 &
