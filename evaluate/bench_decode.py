@@ -3,7 +3,8 @@
 Every row runs `repeats` times after a warm-up run (which captures CUDA graphs and compiles), and
 reports the median tokens/s with the spread (slowest and fastest run) and the target steps taken.
 At batch 1, the held-out demo prompts one after another, greedy, exactly `new_tokens` tokens each
-(EOS ignored; with stop_at_eos each answer ends at EOS, as served, and tokens/s counts the tokens generated): optionally transformers `generate` and assisted generation, draftsmith plain decoding
+(EOS ignored; with stop_at_eos each answer ends at EOS, as served, and tokens/s counts the tokens
+generated): optionally transformers `generate` and assisted generation, draftsmith plain decoding
 (eager and CUDA graphs only when asked; CUDA graphs and compiled blocks always), and speculative
 decoding with each draft (a draft model or an EAGLE-3 head) at each K. Then at batch `batch`
 (continuous batching, CUDA graphs and compiled blocks as `draftsmith serve` runs): 4 x batch requests,
