@@ -53,11 +53,9 @@ limit=${LIMIT:-570}
 newest() { ls -td $1 2>/dev/null | head -1; }
 get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:${PORT:-$port}$1').read().decode())"; }
 common=(preset=gpu tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs)
-# the EAGLE-3 head as measured best (RESULTS.md, 2026-12-04): 15 more sampled responses per training prompt, 128
-# sequences a step with every row's target states kept, a 7-step unroll, STEPS steps
+# the EAGLE-3 head as measured best (preset=eagle3_sweep without -m; RESULTS.md, 2026-12-04), STEPS steps
 steps=${STEPS:-2000}
-eagle=(draft=eagle3 draft.ttt_steps=7 distill.teacher.extra_samples=15 distill.teacher.batch_size=128 distill.batch_size=128
-       distill.target_states_gib=32 distill.learning_rate=1e-3 distill.max_steps=$steps distill.eval_every=$((steps < 500 ? steps : 500)))
+eagle=(preset=eagle3_sweep "${common[@]:1}" distill.max_steps=$steps distill.eval_every=$((steps < 500 ? steps : 500)))
 
 # the published bundle: BUNDLE if given (a carried copy), else this machine's newest
 bundle() {
@@ -115,13 +113,13 @@ train)  # further arguments go to profile_train (--variant, --batch, --profile)
   python3 benchmarks/profile_train.py --cache-dir $root/cache "$@"
   ;;
 eagle)
-  timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" stop_after=publish 2>&1 | tail -60 || true
+  timeout "$limit" "${cli[@]}" run "${eagle[@]}" stop_after=publish 2>&1 | tail -60 || true
   for s in teacher distill evaluate publish; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/${s}_stage.json" || true; done
   cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
   cp -r "$(newest "$root/runs/publish/*")/bundle" "$out/bundle" || true
   ;;
 eagle_chat)  # the measured head recipe on a general-chat domain: CHAT (.gpu/alpaca_eval.jsonl, benchmarks/chat_assets.py)
-  timeout "$limit" "${cli[@]}" run preset=eagle3_sweep "${common[@]:1}" data.path="$(realpath "${CHAT:-.gpu/alpaca_eval.jsonl}")" \
+  timeout "$limit" "${cli[@]}" run "${eagle[@]}" data.path="$(realpath "${CHAT:-.gpu/alpaca_eval.jsonl}")" \
     stop_after=publish 2>&1 | tail -40 || true
   cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
   ;;
@@ -196,11 +194,11 @@ bundles)
   # both trainers share the GPU; then each evaluates alone (step costs timed beside another job's training are
   # noise: a W4A16 draft evaluated so shipped K=8 and measured 1.13x, K=3 and 1.52x on an idle GPU)
   draft_model=(${DSTEPS:+distill.max_steps=$DSTEPS distill.eval_every=$DSTEPS})
-  timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" stop_after=quantize > "$out/bundles_eagle3.log" 2>&1 &
+  timeout "$limit" "${cli[@]}" run "${eagle[@]}" stop_after=quantize > "$out/bundles_eagle3.log" 2>&1 &
   sleep 5  # distinct run dirs
   timeout "$limit" "${cli[@]}" run "${common[@]}" "${draft_model[@]}" stop_after=quantize > "$out/bundles_draft_model.log" 2>&1 &
   wait
-  timeout "$limit" "${cli[@]}" run "${common[@]}" "${eagle[@]}" stop_after=publish ${GATE:+evaluate.min_alpha=$GATE} >> "$out/bundles_eagle3.log" 2>&1
+  timeout "$limit" "${cli[@]}" run "${eagle[@]}" stop_after=publish ${GATE:+evaluate.min_alpha=$GATE} >> "$out/bundles_eagle3.log" 2>&1
   timeout "$limit" "${cli[@]}" run "${common[@]}" "${draft_model[@]}" stop_after=publish ${GATE:+evaluate.min_alpha=$GATE} >> "$out/bundles_draft_model.log" 2>&1
   for kind in eagle3 draft_model; do tail -4 "$out/bundles_$kind.log"; b=$(bundle_of $kind); echo "$kind: ${b:-not published}"; done
   ;;

@@ -114,7 +114,7 @@ class UnrollIndex:
         E = batch.input_ids.shape[1] - 1
         starts = [len(row["prompt_ids"]) - 1 for row in batch.sources]  # a row's first response position
         rows = np.repeat(np.arange(len(starts)), batch.counts)
-        s = np.concatenate([np.arange(start, start + n) for start, n in zip(starts, batch.counts)]) if starts else np.zeros(0, np.int64)
+        s = np.concatenate([np.arange(start, start + n) for start, n in zip(starts, batch.counts)])
         entries, picks = [], []
         device = batch.input_ids.device
         for j in range(steps):
@@ -162,14 +162,16 @@ class UnrolledHead(nn.Module):
         masks = [ttt_block_mask(tokens.shape[1] - 1, j, tokens.device) for j in range(self.steps)] if self.flex else None
         for j, hidden in enumerate(self.states(tokens, features, index.entries, masks)):
             p = target_logits if index.picks[j] is None else target_logits.index_select(0, index.picks[j])
-            if self.chunk > 0:
+            q = None
+            if self.chunk > 0 and torch.is_grad_enabled():  # training: the logits never whole
                 step_loss = losses.chunked_mean(hidden, weight, lambda z, rows, p=p: loss_fn(z, p[rows]), self.chunk)
-            else:
-                step_loss = loss_fn(F.linear(hidden, weight), p).mean()
+            else:  # evaluating (no gradient): the logits once, for the loss and the counts
+                q = F.linear(hidden, weight)
+                step_loss = loss_fn(q, p).mean()
             loss = loss + self.decay**j * step_loss
             if labels is not None:
                 with torch.no_grad():
-                    q = F.linear(hidden, weight)
+                    q = F.linear(hidden, weight) if q is None else q
                     wanted = labels if index.picks[j] is None else labels.index_select(0, index.picks[j])
                     agree = torch.zeros(tokens.shape[0] * (tokens.shape[1] - 1), dtype=torch.bool, device=tokens.device)
                     agree.index_copy_(0, index.entries[j], self.head.vocab[q.argmax(-1)] == wanted)
