@@ -24,9 +24,10 @@
 #                                            one kind a call stays under the 10 minutes a call may take)
 #   bash benchmarks/h200_bench.sh compare      each bundle (BUNDLES, else the newest) served in process, then its engine
 #                                            alone: server / engine, 3 rounds, and the engine and HTTP threads' CPU shares
-#   bash benchmarks/h200_bench.sh qwen_coder   preset=qwen_coder's three drafts of Qwen2.5-Coder-1.5B (a sweep; LIMIT a call,
-#                                            a rerun resumes), after joining the files that benchmarks/qwen_coder_assets.py
-#                                            --pieces cut, carried one piece a call into $ROOT/qwen_coder/
+#   bash benchmarks/h200_bench.sh qwen_coder [OVERRIDES]   preset=qwen_coder's three drafts of Qwen2.5-Coder-1.5B (a sweep;
+#                                            LIMIT a call, a rerun resumes), then bench decode on the three, after joining
+#                                            the files that benchmarks/qwen_coder_assets.py --pieces cut, carried one piece
+#                                            a call into $ROOT/qwen_coder/ (27 calls of ~5 s on a warm machine)
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 #   bash benchmarks/h200_bench.sh profile8b    where a plain step and a verification go at the Llama-3.1-8B shape (random weights)
@@ -251,7 +252,22 @@ qwen_coder)
     test "$(sha256sum "$file" | cut -c1-64)" = "$(cut -c1-64 "$sum")" || { echo "$file: pieces missing or changed"; rm -f "$file"; exit 1; }
   done
   timeout "$limit" "${cli[@]}" run -m preset=qwen_coder tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs \
-    stop_after=publish 2>&1 | tail -30 || true
+    stop_after=publish "${@:2}" 2>&1 | tail -30 || true
+  # once the three jobs are done: one bench decode run on the drafts they ship, on held-out prompts of the domain
+  drafts=$(python3 - "$(newest "$root/runs/hydra/multirun/*")" <<'PY'
+import json, os, sys
+from pathlib import Path
+jobs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*/result.json"))]
+if len(jobs) == 3 and all(j["status"] == "ok" for j in jobs):
+    for out in (j["outputs"] for j in jobs):
+        quantized = out.get("quantize", "") + "/draft"
+        print("--draft", quantized if os.path.isfile(quantized + "/config.json") else out["distill"] + "/draft")
+PY
+)
+  [ -n "$drafts" ] || { echo "qwen_coder: the sweep has not finished; run again to resume"; exit 0; }
+  "${cli[@]}" bench decode --device cuda --target "$assets"/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --data "$assets"/code_prompts.jsonl \
+    --eval-fraction 0.2 --prompts 8 --new-tokens 128 --batch 16 --k 3 --k 5 --repeats 3 $drafts --cache-dir $root/cache \
+    --out "$out/bench_decode_qwen_coder.json" 2>&1 | tail -30
   ;;
 batch)
   python3 benchmarks/profile_batch.py --draft "$(bundle)/draft" --cache-dir $root/cache

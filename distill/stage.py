@@ -78,18 +78,29 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         (out / "history.json").write_text(json.dumps(result["history"], indent=2))
     state.wait_for_everyone()
     first, last = result["history"][0], result["history"][-1]
+    kept = next(h for h in result["history"] if h["step"] == result["kept_step"])
+    if kept is not last:
+        log.warning(
+            "distill: the held-out TVD was lowest at step %d of %d (%.4f against %.4f at the end): the draft of step %d ships",
+            kept["step"],
+            last["step"],
+            kept["eval_tvd"],
+            last["eval_tvd"],
+            kept["step"],
+        )
     return {
         "kind": cfg.draft.kind.value,
         "tvd_initial": first.get("eval_tvd"),
-        "tvd_final": last.get("eval_tvd"),
-        "eval_loss_final": last.get("eval_loss"),
+        "tvd_final": kept.get("eval_tvd"),  # of the draft this stage outputs: distill.keep_best's step's
+        "kept_step": kept["step"],
+        "eval_loss_final": kept.get("eval_loss"),
         "train_loss_final": result["final_train_loss"],
         "train_tokens": result["train_tokens"],
         "tokens_per_s": round(result["tokens_per_s"], 1),  # over the optimizer steps
         "tokens_per_s_stage": round(result["tokens_this_run"] / (time.time() - started), 1),  # loading, compiling, evaluations too
         "draft_vocab_size": len(vocab),
         "draft_vocab_coverage": round(covered, 4),
-        **{k: v for k, v in last.items() if k.startswith(("eval_alpha", "eval_tau"))},
+        **{k: v for k, v in kept.items() if k.startswith(("eval_alpha", "eval_tau"))},
         "history": result["history"],
     }
 

@@ -9,8 +9,10 @@ so a resumed run sees the same batches an uninterrupted one would. Several proce
 
 from __future__ import annotations
 
+import copy
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,8 @@ from draftsmith.distill import checkpoint, losses
 from draftsmith.distill.on_policy import DraftSampler
 from draftsmith.pipeline.config import DistillConfig
 from draftsmith.serve.sampling import to_device
+
+BEST = "best"  # in the work dir: the student at its best held-out evaluation so far (distill.keep_best)
 
 
 @dataclass
@@ -256,8 +260,8 @@ class DraftObjective:
         return {"eval_tvd": total_tvd / count, "eval_loss": total_loss / count}
 
     def save(self, student, out_dir: Path) -> None:
-        if hasattr(student, "merge_and_unload"):  # LoRA adapters merged into the weights
-            student = student.merge_and_unload()
+        if hasattr(student, "merge_and_unload"):  # LoRA adapters merged into a copy's weights (training goes on)
+            student = copy.deepcopy(student).merge_and_unload()
         student.save_pretrained(out_dir, safe_serialization=True)
 
 
@@ -391,7 +395,7 @@ class Distiller:
             print(f"distill: resuming from the checkpoint at step {step} of {cfg.max_steps} in {self.work_dir}", flush=True)
         if not history:
             history.append({"step": 0, **self.evaluate()})
-            self.log(0, history[-1])
+            self._record(history, tokens, save=False)
         self.draft.train()
         train_seconds, tokens_at_start = 0.0, tokens  # optimizer steps only, not evaluation or checkpoints
         loss_value, reported_at = float("nan"), time.time()
@@ -441,26 +445,48 @@ class Distiller:
                 train_seconds += time.time() - step_started
                 if evaluating:
                     history.append({"step": step, "train_loss": loss_value, **self.evaluate()})
-                    self.log(step, history[-1])
-                    if self.accelerator.is_main_process:
-                        checkpoint.save(
-                            self.work_dir,
-                            self.accelerator.unwrap_model(self.draft),
-                            self.optimizer,
-                            self.scheduler,
-                            {"step": step, "history": history, "tokens": tokens},
-                        )
-                    self.accelerator.wait_for_everyone()
+                    self._record(history, tokens)
                     reported_at = time.time()
+        self.kept_step = best_step(history) if cfg.keep_best else step
         return {
             "history": history,
+            "kept_step": self.kept_step,
             "train_tokens": tokens,
             "final_train_loss": loss_value,
             "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0,
             "tokens_this_run": tokens - tokens_at_start,  # not those of a run this one resumed
         }
 
-    def save_draft(self, out_dir: Path) -> None:
-        """The trained student, as the objective saves it (an HF dir; an EAGLE-3 head in speculators format)."""
+    def _record(self, history: list[dict], tokens: int, save: bool = True) -> None:
+        """Log an evaluation; with distill.keep_best, keep the student in work_dir/best when it is the best held-out
+        one so far (the last step's ships anyway); then (save) a checkpoint."""
+        step, student = history[-1]["step"], self.accelerator.unwrap_model(self.draft)
+        self.log(step, history[-1])
         if self.accelerator.is_main_process:
+            if self.cfg.keep_best and "eval_tvd" in history[-1] and step < self.cfg.max_steps and best_step(history) == step:
+                self.objective.save(student, self.work_dir / BEST)
+            if save:
+                checkpoint.save(
+                    self.work_dir, student, self.optimizer, self.scheduler, {"step": step, "history": history, "tokens": tokens}
+                )
+        self.accelerator.wait_for_everyone()
+
+    def save_draft(self, out_dir: Path) -> None:
+        """The student as the objective saves it (an HF dir; an EAGLE-3 head in speculators format): as it was
+        at its best held-out evaluation (distill.keep_best), else as it is now."""
+        if not self.accelerator.is_main_process:
+            return
+        if self.kept_step == self.cfg.max_steps:
             self.objective.save(self.accelerator.unwrap_model(self.draft), out_dir)
+        else:
+            shutil.copytree(self.work_dir / BEST, out_dir, dirs_exist_ok=True)
+        shutil.rmtree(self.work_dir / BEST, ignore_errors=True)
+
+
+def best_step(history: list[dict]) -> int:
+    """The step of the lowest held-out TVD (the draft's expected rejection rate), the latest of ties; the last
+    step when nothing was measured held out."""
+    measured = [h for h in history if "eval_tvd" in h]
+    if not measured:
+        return history[-1]["step"]
+    return min(measured, key=lambda h: (h["eval_tvd"], -h["step"]))["step"]

@@ -43,6 +43,14 @@ class BenchRow:
     tau: float | None = None
     acceptance_rate: float | None = None
     matches_plain: bool | None = None
+    differing: int | None = None  # sequences whose tokens differ from plain decoding's
+    first_difference: int | None = None  # the earliest token index where one does
+
+    def compare(self, outputs: list[list[int]], plain: list[list[int]]) -> None:
+        """Set matches_plain, and where the outputs part from plain decoding's: greedy decoding in bf16 can
+        tell a bug (early, many sequences) from a near tie that batch shapes round differently (late, few)."""
+        firsts = [i for i in map(first_difference, outputs, plain) if i is not None]
+        self.matches_plain, self.differing, self.first_difference = not firsts, len(firsts), min(firsts, default=None)
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,6 +71,13 @@ class BenchRow:
             "spread": list(self.spread),
             "ms_per_target_step": self.ms_per_target_step,
         }
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length if one extends the other)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _sync(device: str) -> None:
@@ -224,7 +239,7 @@ def run_bench(
         engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
         for k in ks:
             row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, params, k, repeats, device)
-            row.matches_plain = tokens == plain
+            row.compare(tokens, plain)
             rows.append(row)
     if batch > 1:
         requests = 4 * batch
@@ -246,7 +261,7 @@ def run_bench(
                 repeats,
                 device,
             )
-            row.matches_plain = tokens == plain_batch
+            row.compare(tokens, plain_batch)
             rows.append(row)
     return rows
 
@@ -287,7 +302,7 @@ def results_table(rows: list[BenchRow], title: str):
             f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "",
             f"{r.tokens_per_s / hf.tokens_per_s:.1f}x" if hf else "",
             f"{r.tokens_per_s / plain_of(r).tokens_per_s:.2f}x",
-            {True: "yes", False: "no", None: ""}[r.matches_plain],
+            {True: "yes", False: f"no: {r.differing} from token {r.first_difference}", None: ""}[r.matches_plain],
         )
     return table
 

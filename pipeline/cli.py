@@ -104,7 +104,11 @@ def bench_decode(
         "--stop-at-eos",
         help="end each answer at EOS, as served (else exactly --new-tokens: text past an answer's end is easier to draft)",
     ),
-    prompts: int = typer.Option(8, help="held-out demo prompts, run one after another at batch 1"),
+    prompts: int = typer.Option(8, help="held-out prompts, run one after another at batch 1"),
+    data: str = typer.Option(
+        "demo", help="a .jsonl of prompts whose held-out split to take, as the data stage splits it; 'demo': the demo's"
+    ),
+    eval_fraction: float = typer.Option(0.1, help="the held-out fraction of --data (data.eval_fraction; the presets' qwen_coder: 0.2)"),
     batch: int = typer.Option(16, help="also measure continuous batching with this many requests at once (0: skip)"),
     k: list[int] = typer.Option([2, 4, 6], "--k", help="num_speculative_tokens to measure (repeatable)"),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
@@ -136,7 +140,9 @@ def bench_decode(
         if not draft:
             layers = every_nth_layer(read_config(target_dir)["num_hidden_layers"], draft_layers)
             draft = [build_from_target(target_dir, Path(tmp) / "draft", layers)]
-        ids = chat_prompts(target_dir, heldout_messages()[:prompts])
+        ids = chat_prompts(target_dir, heldout_messages(data, fraction=eval_fraction)[:prompts])
+        if not ids:
+            raise typer.BadParameter(f"{data} has no prompts in its held-out split at --eval-fraction {eval_fraction}")
         rows = run_bench(
             target_dir,
             draft,

@@ -146,6 +146,7 @@ class DistillConfig:
     pack_sequences: bool = True  # a standalone draft's training sequences share rows instead of padding them
     compile: bool = False  # torch.compile the student (dynamic shapes)
     target_states_gib: float = 8.0  # the target's states at fixed rows kept on the device (a head's: every position)
+    keep_best: bool = True  # ship the draft of the lowest held-out TVD among the evaluations (step 0 included)
 
 
 @dataclass

@@ -36,9 +36,9 @@ def test_the_qwen_coder_preset_resolves_to_three_drafts_of_a_real_target():
     assert dict(sweep) == {"draft": "eagle3,from_target,sibling"}  # `draftsmith run -m preset=qwen_coder`: one job each
     jobs = {draft: validate(composed("preset=qwen_coder", f"draft={draft}")) for draft in ("eagle3", "from_target", "sibling")}
     for cfg in jobs.values():  # the gpu preset's budgets, the real target and its domain data
-        assert cfg.device.value == "cuda" and cfg.distill.max_steps == 2000 and cfg.draft.vocab_size == 16384
+        assert cfg.device.value == "cuda" and cfg.distill.max_steps == 800 and cfg.draft.vocab_size == 16384
         assert cfg.target.name_or_path.endswith("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-        assert cfg.data.path.endswith("humaneval.jsonl") and cfg.data.eval_fraction == 0.2
+        assert cfg.data.path.endswith("code_prompts.jsonl") and cfg.data.eval_fraction == 0.2 and cfg.distill.keep_best
     assert jobs["eagle3"].draft.kind.value == "eagle3" and jobs["from_target"].draft.init.value == "from_target"
     sibling = jobs["sibling"].draft
     assert sibling.kind.value == "standalone" and sibling.init.value == "pretrained"

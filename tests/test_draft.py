@@ -127,6 +127,49 @@ def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_p
     assert not torch.equal(before.layers[0].attention.wqkv.weight, after.layers[0].attention.wqkv.weight)
 
 
+@pytest.mark.parametrize("keep_best, lora", [(True, False), (False, False), (True, True)])
+def test_a_draft_that_training_makes_worse_ships_as_it_began(tiny_models, tmp_path, keep_best, lora):
+    """distill.keep_best: a draft that starts as the target itself (held-out TVD 0) and learns random labels at a
+    high learning rate only gets worse, so the draft saved is the one of step 0, weight for weight, LoRA
+    adapters (merged into a copy at each save, training on) too; without keep_best, the last one."""
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = tiny_models["llama"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    draft = with_lora(draft, 4) if lora else draft
+    g = torch.Generator().manual_seed(0)
+    rows = [
+        {"prompt_ids": torch.randint(3, 97, (6,), generator=g).tolist(), "response_ids": torch.randint(3, 97, (8,), generator=g).tolist()}
+        for _ in range(8)
+    ]
+    cfg = DistillConfig(
+        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=4),
+        loss=DistillLoss.hard_label,
+        temperature=1.0,
+        jsd_beta=0.5,
+        learning_rate=5e-2,
+        warmup_steps=0,
+        max_steps=6,
+        batch_size=4,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=3,
+        max_seq_len=32,
+        keep_best=keep_best,
+    )
+    distiller = Distiller(cfg, draft, target, DraftObjective(cfg, online=False), rows, rows[:4], tmp_path / "work", seed=0, cpu=True)
+    result = distiller.train()
+    tvds = [h["eval_tvd"] for h in result["history"]]
+    assert tvds[0] < 1e-5 < min(tvds[1:]), tvds
+    assert result["kept_step"] == (0 if keep_best else 6)
+    distiller.save_draft(tmp_path / "draft")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", dtype=torch.float32).state_dict()
+    same = all(torch.equal(saved[k], v) for k, v in target.state_dict().items())
+    assert same == keep_best
+    assert not (tmp_path / "work" / "best").exists()
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_on_policy_continuations_are_the_drafts_own_samples(tiny_models, lora):
     """DistillSpec's on-policy rows, sampled by the runtime's engine (a LoRA draft: by transformers'

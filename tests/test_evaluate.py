@@ -408,6 +408,19 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
     assert k3.tau > 1 and k3.target_steps < plain.target_steps  # drafts were kept: fewer target steps
 
 
+def test_a_bench_row_says_how_many_sequences_part_from_plain_decoding_and_where():
+    from draftsmith.evaluate.bench_decode import BenchRow
+
+    plain = [[5, 6, 7, 8], [1, 2, 3], [9, 9, 9]]
+    row = BenchRow("draft", tokens=10, target_steps=5)
+    row.compare([[5, 6, 7, 8], [1, 2, 3], [9, 9, 9]], plain)
+    assert (row.matches_plain, row.differing, row.first_difference) == (True, 0, None)
+    row.compare([[5, 6, 4, 8], [1, 2, 3], [9, 9]], plain)  # a token changed at index 2; a sequence cut short at 2
+    assert (row.matches_plain, row.differing, row.first_difference) == (False, 2, 2)
+    row.compare([[5, 6, 7, 8], [0, 2, 3], [9, 9, 9]], plain)
+    assert (row.matches_plain, row.differing, row.first_difference) == (False, 1, 0)
+
+
 def test_bench_decode_stops_at_eos_when_asked_and_every_row_stops_alike(tiny_models, tmp_path):
     # a copy of the target whose EOS is a token its greedy text reaches early: with stop_at_eos every row's answers
     # end there (fewer tokens than asked), and speculative rows still emit plain decoding's tokens
