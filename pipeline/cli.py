@@ -108,7 +108,7 @@ def bench_decode(
     data: str = typer.Option(
         "demo", help="a .jsonl of prompts whose held-out split to take, as the data stage splits it; 'demo': the demo's"
     ),
-    eval_fraction: float = typer.Option(0.1, help="the held-out fraction of --data (data.eval_fraction; the presets' qwen_coder: 0.2)"),
+    eval_fraction: float = typer.Option(0.1, help="the held-out fraction of --data (data.eval_fraction; preset=qwen_coder's: 0.2)"),
     batch: int = typer.Option(16, help="also measure continuous batching with this many requests at once (0: skip)"),
     k: list[int] = typer.Option([2, 4, 6], "--k", help="num_speculative_tokens to measure (repeatable)"),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
