@@ -253,6 +253,7 @@ qwen_coder)
   done
   timeout "$limit" "${cli[@]}" run -m preset=qwen_coder tracking.enabled=false target.cache_dir=$root/cache paths.root=$root/runs \
     stop_after=publish "${@:2}" 2>&1 | tail -30 || true
+  sweep_results qwen_coder
   # once the three jobs are done: one bench decode run on the drafts they ship, on held-out prompts of the domain
   drafts=$(python3 - "$(newest "$root/runs/hydra/multirun/*")" <<'PY'
 import json, os, sys
