@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import time
+import traceback
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -239,5 +240,8 @@ def _build(stage: Stage, cfg: Any, inputs: Mapping[str, StageOutput], final: Pat
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, SystemExit):
             raise
+        # the stage's frames hold what it loaded (a target on the device, say): a sweep keeps a failed job's
+        # error until it ends (Hydra's launchers do), and the next job would load beside them
+        traceback.clear_frames(e.__traceback__)
         raise StageError(f"stage '{stage.name}' failed: {type(e).__name__}: {e}") from e
     return StageOutput(stage.name, final, fp, cached=False, record=record)

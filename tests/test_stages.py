@@ -1,9 +1,12 @@
 """Cached, atomic stages: fingerprints, reuse, reruns downstream only, no half-written output."""
 
+import gc
 import json
+import weakref
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from draftsmith.pipeline.stage import STAGE_JSON, Stage, StageError, fingerprint, run_stage
 
@@ -82,6 +85,22 @@ def test_a_stage_that_fails_midway_leaves_nothing(tmp_path):
     ok = Stage("broken", ("first",), (), write_first)  # the same stage fixed runs and lands
     out = run_stage(ok, Cfg(first={"n": 1}, second={}), {}, tmp_path)
     assert [p.name for p in (tmp_path / "broken").iterdir()] == [out.path.name]
+
+
+def test_a_failed_stage_lets_go_of_what_it_loaded(tmp_path):
+    """A sweep keeps a failed job's error until it ends: the error must not keep the stage's model alive."""
+    loaded = []
+
+    def load_then_fail(cfg, inputs, out):
+        model = torch.nn.Linear(64, 64)  # what a stage holds when it fails: a target, say
+        loaded.append(weakref.ref(model))
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(StageError) as failed:
+        run_stage(Stage("distill", ("first",), (), load_then_fail), Cfg(first={"n": 1}, second={}), {}, tmp_path)
+    gc.collect()
+    assert loaded[0]() is None
+    assert "out of memory" in str(failed.value) and failed.value.__cause__ is not None  # the error itself stays whole
 
 
 def test_an_incomplete_output_is_rebuilt(tmp_path):
