@@ -254,17 +254,8 @@ def run_bench(
         row.compare(tokens, alone)
         rows.append(row)
         for name, draft in models.items():
-            row, tokens = bench_batch(
-                engine_of(draft),
-                f"{name} adaptive K<={max(ks)}, batch {batch}",
-                prompts,
-                params,
-                max(ks),
-                True,
-                requests,
-                repeats,
-                device,
-            )
+            method = f"{name} adaptive K<={max(ks)}, batch {batch}"
+            row, tokens = bench_batch(engine_of(draft), method, prompts, params, max(ks), True, requests, repeats, device)
             row.compare(tokens, alone)
             rows.append(row)
     return rows

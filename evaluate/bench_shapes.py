@@ -172,6 +172,15 @@ def decode_ms(engine: Engine, batch: int, k: int, new_tokens: int, prompt_tokens
     return timed(lambda: engine.generate(prompts, params, num_speculative_tokens=k).target_steps, repeats)
 
 
+# datasheet memory bandwidths (GB/s) by a part of the device's name, the first match counting
+BANDWIDTHS = (("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0))
+
+
+def datasheet_bandwidth(device_name: str) -> float | None:
+    """The memory bandwidth of a GPU this table knows by name (GB/s), else None."""
+    return next((gb_s for part, gb_s in BANDWIDTHS if part in device_name), None)
+
+
 def bandwidth_floor_ms(model: Transformer, bandwidth_gb_s: float) -> float:
     """A plain step reads every weight once (of an untied embedding table, only a row a token): their bytes
     over the memory bandwidth."""
@@ -237,3 +246,28 @@ def acceptance_curve(eval_json: str | None, alpha: float | None, ks: list[int]) 
 
 def as_dicts(rows: list[ShapeRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def results_table(rows: list[ShapeRow], floors: dict[str, float | None], title: str):
+    """The rows as a rich table: each step against its shape's plain step at its batch size, the plain batch-1 step
+    against the bandwidth floor, and the projected speedups."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("shape", "method", "batch", "K", "ms/step", "min-max", "x plain step", "floor / plain", "projected x plain"):
+        table.add_column(column, justify="left" if column in ("shape", "method") else "right")
+    plain = {(r.shape, r.batch): r.ms for r in rows if r.method == "plain"}
+    for r in rows:
+        floor = f"{floors[r.shape] / r.ms:.0%}" if floors[r.shape] and r.method == "plain" and r.batch == 1 else ""
+        table.add_row(
+            r.shape,
+            r.method,
+            str(r.batch),
+            str(r.k),
+            f"{r.ms:.3f}",
+            f"{r.spread[0]:.3f}-{r.spread[1]:.3f}",
+            f"{r.ms / plain[(r.shape, r.batch)]:.2f}",
+            floor,
+            f"{r.projected_speedup:.2f}x" if r.projected_speedup else "",
+        )
+    return table

@@ -243,7 +243,9 @@ def bench_shapes(
     new_tokens: int = typer.Option(128, help="tokens decoded per row"),
     prompt_tokens: int = typer.Option(128, help="prompt length (random tokens)"),
     repeats: int = typer.Option(3, help="timed runs per row after a warm-up run; the median counts"),
-    bandwidth: float = typer.Option(4800.0, help="the device's memory bandwidth in GB/s, for the plain step's floor"),
+    bandwidth: float = typer.Option(
+        None, help="the device's memory bandwidth in GB/s, for the plain step's floor (default: its datasheet's, H200/H100/A100)"
+    ),
     device: str = typer.Option("auto", help="auto, cpu or cuda"),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
     out: Path = typer.Option(None, help="write the rows as JSON here"),
@@ -255,9 +257,17 @@ def bench_shapes(
 
     import torch
     from rich.console import Console
-    from rich.table import Table
 
-    from draftsmith.evaluate.bench_shapes import SHAPES, acceptance_curve, as_dicts, bandwidth_floor_ms, build, run_shape
+    from draftsmith.evaluate.bench_shapes import (
+        SHAPES,
+        acceptance_curve,
+        as_dicts,
+        bandwidth_floor_ms,
+        build,
+        datasheet_bandwidth,
+        results_table,
+        run_shape,
+    )
     from draftsmith.serve.device import DTYPES
 
     unknown = [name for name in shape if name not in SHAPES]
@@ -266,30 +276,18 @@ def bench_shapes(
         raise typer.Exit(2)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     tau = acceptance_curve(eval_json, alpha, k)
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else None
+    bandwidth = bandwidth or (datasheet_bandwidth(gpu) if gpu else None)
+    if bandwidth is None:
+        typer.echo("no memory bandwidth known for this device (--bandwidth GB/s): the table leaves out the floor", err=True)
     rows, floors = [], {}
     for name in shape:
-        floors[name] = bandwidth_floor_ms(build(SHAPES[name], DTYPES[dtype], "meta"), bandwidth)
+        floors[name] = bandwidth_floor_ms(build(SHAPES[name], DTYPES[dtype], "meta"), bandwidth) if bandwidth else None
         rows += run_shape(name, batch, k, draft_layers, draft_vocab, tau, device, DTYPES[dtype], new_tokens, prompt_tokens, repeats)
-    table = Table(
-        title=f"bench shapes on {device}, {dtype}, random weights, {prompt_tokens}-token prompts, {new_tokens} new tokens, "
-        f"median of {repeats}"
+    title = (
+        f"bench shapes on {device}, {dtype}, random weights, {prompt_tokens}-token prompts, {new_tokens} new tokens, median of {repeats}"
     )
-    for column in ("shape", "method", "batch", "K", "ms/step", "min-max", "x plain step", "floor / plain", "projected x plain"):
-        table.add_column(column, justify="left" if column in ("shape", "method") else "right")
-    plain = {(r.shape, r.batch): r.ms for r in rows if r.method == "plain"}
-    for r in rows:
-        floor = f"{floors[r.shape] / r.ms:.0%}" if r.method == "plain" and r.batch == 1 else ""
-        table.add_row(
-            r.shape,
-            r.method,
-            str(r.batch),
-            str(r.k),
-            f"{r.ms:.3f}",
-            f"{r.spread[0]:.3f}-{r.spread[1]:.3f}",
-            f"{r.ms / plain[(r.shape, r.batch)]:.2f}",
-            floor,
-            f"{r.projected_speedup:.2f}x" if r.projected_speedup else "",
-        )
+    table = results_table(rows, floors, title)
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     if out:
         out.write_text(
@@ -297,9 +295,10 @@ def bench_shapes(
                 {
                     "rows": as_dicts(rows),
                     "bandwidth_floor_ms": floors,
+                    "bandwidth_gb_s": bandwidth,
                     "tau": tau,
                     "device": device,
-                    "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                    "gpu": gpu,
                 },
                 indent=2,
             )

@@ -37,6 +37,8 @@ def test_a_tiny_shape_is_measured_and_projected(tmp_path):
             "6",
             "--repeats",
             "1",
+            "--bandwidth",
+            "50",
             "--device",
             "cpu",
             "--dtype",
@@ -61,7 +63,16 @@ def test_a_tiny_shape_is_measured_and_projected(tmp_path):
         assert r["ms"] > 0
         if r["method"] in ("draft model 2 layers", "EAGLE-3 head"):
             assert r["projected_speedup"] == pytest.approx(expected_tokens(0.7, r["k"]) * plain[r["batch"]] / r["ms"])
-    assert result["bandwidth_floor_ms"]["tiny"] > 0 and "floor / plain" in done.stdout
+    assert result["bandwidth_floor_ms"]["tiny"] > 0 and result["bandwidth_gb_s"] == 50 and "floor / plain" in done.stdout
+
+
+def test_the_floor_takes_the_devices_own_bandwidth():
+    from draftsmith.evaluate.bench_shapes import datasheet_bandwidth
+
+    assert datasheet_bandwidth("NVIDIA H200") == 4800
+    assert datasheet_bandwidth("NVIDIA H100 80GB HBM3") == 3350  # SXM: a floor 1.4x the H200's
+    assert datasheet_bandwidth("NVIDIA H100 PCIe") == 2000
+    assert datasheet_bandwidth("NVIDIA L4") is None  # unknown: no floor rather than another GPU's
 
 
 def test_an_unknown_shape_is_refused_with_the_list():
