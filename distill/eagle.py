@@ -206,7 +206,7 @@ class EagleObjective:
         self.vocab = torch.tensor(vocab)
         # over the draft vocabulary
         self.loss_fn = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta, compiled=cfg.compile)
-        self.kept = KeptStates(cfg.target_states_gib * 2**30)
+        self.kept = KeptStates(cfg.target_states_gib * 2**30, cfg.max_seq_len)
 
     @torch.no_grad()
     def target_outputs(self, target, batch) -> tuple[Tensor, Tensor]:
@@ -214,7 +214,7 @@ class EagleObjective:
         draft vocabulary at the batch's response positions [N, V']. A kept row's states (features and final
         states, [S_row, F + H]) come from the first forward over it; its padding reads zeros, which no position
         that counts attends to (right padding, causal attention)."""
-        parts = self.kept.rows(batch, lambda: self.row_states(target, batch))
+        parts = self.kept.rows(batch, lambda b: self.row_states(target, b))
         states = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)  # [B, S, F + H]
         width = states.shape[-1] - target.config.hidden_size
         self.vocab = self.vocab.to(batch.input_ids.device)

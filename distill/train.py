@@ -147,12 +147,13 @@ class KeptStates:
     the device from the first forward over each row: the target does not train, so a row's states never change,
     and later batches of it skip the target's forward. A draft model keeps the target's final hidden states at
     the response positions [n, H]; an EAGLE-3 head its features and final states at every position. Rows are
-    known by identity and must be registered (`keep`); a batch holding any other row (an on-policy continuation)
-    runs the target. At most `budget_bytes` are kept, and on a GPU at most a quarter of the memory free at the
-    first forward (room for training's own peak); rows beyond that run the target every time."""
+    known by identity and must be registered (`keep`); any other row (an on-policy continuation) runs the
+    target. At most `budget_bytes` are kept, and on a GPU at most a quarter of the memory free at the first
+    forward (room for training's own peak); rows beyond that run the target every time, in a batch of their own
+    beside the kept rows (not the whole batch: with part of a domain's states kept, nearly every batch mixes both)."""
 
-    def __init__(self, budget_bytes: float):
-        self.budget, self.used = budget_bytes, 0
+    def __init__(self, budget_bytes: float, max_seq_len: int):
+        self.budget, self.used, self.max_seq_len = budget_bytes, 0, max_seq_len
         self.capped = False  # the budget has been set against the device's free memory
         self.registered: dict[int, dict] = {}  # id -> row, which also keeps the row (and so its id) alive
         self.states: dict[int, torch.Tensor] = {}
@@ -162,25 +163,26 @@ class KeptStates:
             self.registered.update((id(row), row) for row in rows)
 
     @torch.no_grad()
-    def rows(self, batch: Batch, compute: Callable[[], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-        """The batch's states, a tensor for each row of `batch.sources`: the kept ones when every row has them,
-        else compute() (the target's forward), keeping what the budget allows."""
-        keys = [id(row) for row in batch.sources]
-        if keys and all(key in self.states for key in keys):
-            return [self.states[key] for key in keys]
-        parts = list(compute())
-        if not self.capped and parts and parts[0].is_cuda:
-            self.budget, self.capped = min(self.budget, torch.cuda.mem_get_info(parts[0].device)[0] / 4), True
-        for key, part in zip(keys, parts):
+    def rows(self, batch: Batch, compute: Callable[[Batch], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The batch's states, a tensor for each row of `batch.sources`: the kept ones, and compute() (the
+        target's forward) over a batch of the others, keeping what the budget allows."""
+        sources = batch.sources
+        missing = [row for row in sources if id(row) not in self.states]
+        if len(missing) < len(sources):
+            batch = collate(missing, self.max_seq_len, batch.input_ids.device) if missing else None
+        computed = dict(zip((id(row) for row in batch.sources), compute(batch))) if batch else {}
+        if computed and not self.capped and (device := next(iter(computed.values())).device).type == "cuda":
+            self.budget, self.capped = min(self.budget, torch.cuda.mem_get_info(device)[0] / 4), True
+        for key, part in computed.items():
             size = part.numel() * part.element_size()
             if key in self.registered and key not in self.states and self.used + size <= self.budget:
                 self.states[key] = part  # a view: the batch's tensor stays as long as one of its rows is kept
                 self.used += size
-        return parts
+        return [computed[id(row)] if id(row) in computed else self.states[id(row)] for row in sources]
 
     def hidden(self, target, batch: Batch) -> torch.Tensor:
         """The target's final hidden states at the batch's response positions [N, H], in `labels` order."""
-        return torch.cat(self.rows(batch, lambda: predicted_hidden(target, batch).split(list(batch.counts))))
+        return torch.cat(self.rows(batch, lambda b: predicted_hidden(target, b).split(list(b.counts))))
 
 
 class DraftObjective:
@@ -192,7 +194,7 @@ class DraftObjective:
     def __init__(self, cfg: DistillConfig, online: bool):
         self.cfg, self.online = cfg, online
         self.against_target = losses.against_logits(cfg.loss.value, cfg.temperature, cfg.jsd_beta, compiled=cfg.compile)
-        self.kept = KeptStates(cfg.target_states_gib * 2**30)
+        self.kept = KeptStates(cfg.target_states_gib * 2**30, cfg.max_seq_len)
 
     def keep_target_states(self, rows: Sequence[dict]) -> None:
         """Keep the target's states of these rows from their first forward on (distill.target_states_gib)."""

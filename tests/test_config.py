@@ -39,6 +39,7 @@ def test_the_qwen_coder_preset_resolves_to_three_drafts_of_a_real_target():
         assert cfg.device.value == "cuda" and cfg.distill.max_steps == 800 and cfg.draft.vocab_size == 16384
         assert cfg.target.name_or_path.endswith("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
         assert cfg.data.path.endswith("code_prompts.jsonl") and cfg.data.eval_fraction == 0.2 and cfg.distill.keep_best
+        assert cfg.distill.target_states_gib == 32  # the head's states for every answer kept on the device
     assert jobs["eagle3"].draft.kind.value == "eagle3" and jobs["from_target"].draft.init.value == "from_target"
     sibling = jobs["sibling"].draft
     assert sibling.kind.value == "standalone" and sibling.init.value == "pretrained"

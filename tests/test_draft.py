@@ -571,16 +571,20 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
     # the store itself: a budget of one row's states keeps that row only; an unregistered row runs the target
     first = collate(rows[:1], 24, torch.device("cpu"))
     size = first.num_targets * target.config.hidden_size * 4
-    kept = KeptStates(size)
+    kept = KeptStates(size, 24)
     kept.keep(rows)
     both = collate(rows[:2], 24, torch.device("cpu"), pack=True)  # packed longest first: labels in `sources` order
-    alone = predicted_hidden(target, first)
+    alone, expected = predicted_hidden(target, first), predicted_hidden(target, both)
     layer_calls.clear()
-    torch.testing.assert_close(kept.hidden(target, both), predicted_hidden(target, both))
+    torch.testing.assert_close(kept.hidden(target, both), expected)
     assert list(kept.states) == [id(rows[0])] and kept.used == size
     torch.testing.assert_close(kept.hidden(target, first), alone, rtol=1e-5, atol=1e-5)
-    assert len(layer_calls) == 2  # the direct call and the first batch: the kept row alone ran nothing
-    kept.hidden(target, collate(rows[1:2], 24, torch.device("cpu")))
+    assert len(layer_calls) == 1  # the first batch: the kept row alone ran nothing
+    rows_run = []
+    hook = target.model.layers[0].register_forward_hook(lambda _, args, __: rows_run.append(args[0].shape[0]))
+    torch.testing.assert_close(kept.hidden(target, both), expected, rtol=1e-5, atol=1e-5)
+    assert rows_run == [1]  # the kept row and the other: the target ran on the other alone
+    hook.remove()
     stranger = collate([dict(rows[0])], 24, torch.device("cpu"))  # equal tokens, another row: not registered
     kept.hidden(target, stranger)
-    assert len(layer_calls) == 4 and len(kept.states) == 1
+    assert len(layer_calls) == 3 and len(kept.states) == 1
