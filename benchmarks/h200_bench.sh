@@ -33,6 +33,10 @@
 #   bash benchmarks/h200_bench.sh profile8b    where a plain step and a verification go at the Llama-3.1-8B shape (random weights)
 #   bash benchmarks/h200_bench.sh scale [SHAPE]   bench shapes: plain, verify and both draft kinds' steps at SHAPE
 #                                            (llama-3.1-8b), batch 1 and 16, K 2 and 4, projected at alpha ALPHA (0.76)
+#   bash benchmarks/h200_bench.sh put          keeps the carried .gpu/qwen_coder/ pieces in $ROOT/qwen_coder (a call each)
+#   bash benchmarks/h200_bench.sh bg MODE [ARGS]   MODE in the background (LIMIT 3000), its results in $ROOT/out;
+#   bash benchmarks/h200_bench.sh wait [SECS]  then calls of this, back to back, until it says "finished" (e.g.
+#                                            `bg qwen_coder distill.max_steps=300`, ~25 min on an H100, after 27 puts)
 # Settings (environment, with defaults): ROOT (/root/draftsmith-gpu), where runs and the target cache persist while
 # the machine stays up; OUT ($OUT, else /tmp/out), where results go; PORT (8011), the server's. LIMIT (seconds, 570)
 # bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest (the gpu
@@ -105,7 +109,28 @@ sweep_results() {  # prefix: each job of the newest sweep: its result.json and e
   done
 }
 
-case "${1:?tests, train, eagle, eagle_sweep, eagle_chat, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b or scale}" in
+case "${1:?tests, train, eagle, eagle_sweep, eagle_chat, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b, scale, put, bg or wait}" in
+put)  # the pieces this call carried (.gpu/qwen_coder/*, one of 60 MiB a call) kept in $ROOT/qwen_coder
+  mkdir -p "$root/qwen_coder"
+  cp -n .gpu/qwen_coder/* "$root/qwen_coder/" 2>/dev/null || true
+  echo "$(ls "$root/qwen_coder" | grep -c '\.part') pieces, $(du -sh "$root/qwen_coder" | cut -f1)"
+  ;;
+bg)  # the rest of the line in the background, past a call's 10 minutes while the machine stays warm (LIMIT 3000)
+  shift
+  rm -f "$root/bg.done"
+  mkdir -p "$root/out"
+  setsid nohup bash -c 'OUT="$1/out" LIMIT="$2" bash "${@:3}"; touch "$1/bg.done"' _ "$root" "${LIMIT:-3000}" "$0" "$@" \
+    > "$root/bg.log" 2>&1 < /dev/null &
+  echo "started: $*"
+  ;;
+wait)  # until the background run ends, at most ${2:-280} s: its stages and log, then what it wrote so far to $OUT
+  end=$((SECONDS + ${2:-280}))
+  until [ -f "$root/bg.done" ] || [ $SECONDS -ge $end ]; do sleep 5; done
+  grep -hE "stage [a-z]+: (ran|failed)" "$root"/runs/hydra/multirun/*/*/*.log 2>/dev/null | tail -8 || true
+  tail -5 "$root/bg.log"
+  if [ -f "$root/bg.done" ]; then echo "finished"; else echo "still running"; fi
+  cp "$root"/out/* "$out"/ 2>/dev/null || true
+  ;;
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_model.py tests/test_penalties.py tests/test_eagle.py 2>&1 | tail -15
   ;;
