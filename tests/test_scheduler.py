@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith.serve.engine import Engine, EngineError
+from draftsmith.serve.engine import Engine, EngineError, load_draft
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Acceptance, Request, Scheduler, StepCostTable, bucket
 from draftsmith.serve.weights import load_model
-from tests.conftest import save_tiny_model
+from tests.conftest import FAMILIES, save_tiny_head, save_tiny_model
 from tests.test_sampling import PROMPT, VOCAB, chi_square_p, exact_joint, small_vocab_models  # noqa: F401
 from tests.test_speculative import random_prompts
 
@@ -56,6 +56,24 @@ def test_requests_joining_a_running_batch_get_the_targets_greedy_output(tiny_mod
     scheduler = Scheduler(engine_of(target_dir, draft_dir, 4, overlap=overlap), num_speculative_tokens=3, adaptive=False)
     completions, _ = collect(scheduler, prompts, [SamplingParams(max_new_tokens=n) for n in lengths], join_every)
     assert [c.tokens for c in completions] == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_joining_a_running_batch_gets_batch_ones_greedy_output(tiny_models, family, tmp_path):
+    """A draft model and an EAGLE-3 head per family, requests joining and leaving a batch of 4 under adaptive K:
+    batch 1's plain greedy tokens, exactly (float64: a check of the algorithm, not of rounding at batch shapes)."""
+    target_dir, draft_dir = tiny_models[family]
+    target = load_model(target_dir, torch.float64)
+    prompts = random_prompts(12, 97, seed=FAMILIES.index(family))
+    params = [SamplingParams(max_new_tokens=4 + (i * 5) % 11) for i in range(len(prompts))]  # rows finish apart
+    alone = Engine(target, max_seq_len=64)
+    expected = [alone.generate([p], q).completions[0].tokens for p, q in zip(prompts, params)]
+    head_dir = save_tiny_head(target_dir, tmp_path / "head", seed=FAMILIES.index(family))
+    for draft in (draft_dir, head_dir):
+        engine = Engine(target, load_draft(draft, torch.float64, "cpu"), max_batch_size=4, max_seq_len=64)
+        completions, ks = collect(Scheduler(engine, num_speculative_tokens=3), prompts, params, join_every=1)
+        assert [c.tokens for c in completions] == expected, draft.name
+        assert ks  # speculative steps ran
 
 
 def test_adaptive_k_speculates_with_a_good_draft_and_stops_with_a_useless_one(tiny_models, tmp_path):
