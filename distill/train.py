@@ -166,19 +166,19 @@ class KeptStates:
     def rows(self, batch: Batch, compute: Callable[[Batch], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         """The batch's states, a tensor for each row of `batch.sources`: the kept ones, and compute() (the
         target's forward) over a batch of the others, keeping what the budget allows."""
-        sources = batch.sources
-        missing = [row for row in sources if id(row) not in self.states]
-        if len(missing) < len(sources):
-            batch = collate(missing, self.max_seq_len, batch.input_ids.device) if missing else None
-        computed = dict(zip((id(row) for row in batch.sources), compute(batch))) if batch else {}
-        if computed and not self.capped and (device := next(iter(computed.values())).device).type == "cuda":
-            self.budget, self.capped = min(self.budget, torch.cuda.mem_get_info(device)[0] / 4), True
+        missing = [row for row in batch.sources if id(row) not in self.states]
+        if not missing:
+            return [self.states[id(row)] for row in batch.sources]
+        todo = batch if len(missing) == len(batch.sources) else collate(missing, self.max_seq_len, batch.input_ids.device)
+        computed = dict(zip((id(row) for row in todo.sources), compute(todo)))
+        if not self.capped and todo.input_ids.is_cuda:
+            self.budget, self.capped = min(self.budget, torch.cuda.mem_get_info(todo.input_ids.device)[0] / 4), True
         for key, part in computed.items():
             size = part.numel() * part.element_size()
             if key in self.registered and key not in self.states and self.used + size <= self.budget:
                 self.states[key] = part  # a view: the batch's tensor stays as long as one of its rows is kept
                 self.used += size
-        return [computed[id(row)] if id(row) in computed else self.states[id(row)] for row in sources]
+        return [computed[id(row)] if id(row) in computed else self.states[id(row)] for row in batch.sources]
 
     def hidden(self, target, batch: Batch) -> torch.Tensor:
         """The target's final hidden states at the batch's response positions [N, H], in `labels` order."""
