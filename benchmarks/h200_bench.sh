@@ -25,7 +25,7 @@
 #   bash benchmarks/h200_bench.sh compare      each bundle (BUNDLES, else the newest) served in process, then its engine
 #                                            alone: server / engine, 3 rounds, and the engine and HTTP threads' CPU shares
 #   bash benchmarks/h200_bench.sh qwen_coder [OVERRIDES]   preset=qwen_coder's three drafts of Qwen2.5-Coder-1.5B (a sweep;
-#                                            LIMIT a call, a rerun resumes), then bench decode on the three, after joining
+#                                            LIMIT a call, a rerun resumes), then bench decode on the three and prompt lookup, after joining
 #                                            the files that benchmarks/qwen_coder_assets.py --pieces cut, carried one piece
 #                                            a call into $ROOT/qwen_coder/ (27 calls of ~5 s on a warm machine)
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
@@ -292,7 +292,7 @@ PY
 )
   [ -n "$drafts" ] || { echo "qwen_coder: the sweep has not finished; run again to resume"; exit 0; }
   "${cli[@]}" bench decode --device cuda --target "$assets"/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --data "$assets"/code_prompts.jsonl \
-    --eval-fraction 0.2 --prompts 8 --new-tokens 128 --batch 16 --k 3 --k 5 --repeats 3 $drafts --cache-dir $root/cache \
+    --eval-fraction 0.2 --prompts 8 --new-tokens 128 --batch 16 --k 3 --k 5 --repeats 3 $drafts --lookup --cache-dir $root/cache \
     --out "$out/bench_decode_qwen_coder.json" 2>&1 | tail -30
   ;;
 batch)

@@ -6,7 +6,7 @@ At batch 1, the held-out demo prompts one after another, greedy, exactly `new_to
 (EOS ignored; with stop_at_eos each answer ends at EOS, as served, and tokens/s counts the tokens
 generated): optionally transformers `generate` and assisted generation, draftsmith plain decoding
 (eager and CUDA graphs only when asked; CUDA graphs and compiled blocks always), and speculative
-decoding with each draft (a draft model or an EAGLE-3 head) at each K. Then at batch `batch`
+decoding with each draft (a draft model or an EAGLE-3 head; with lookup, prompt lookup too) at each K. Then at batch `batch`
 (continuous batching, CUDA graphs and compiled blocks as `draftsmith serve` runs): 4 x batch requests,
 the prompts cycled in order (request i gets prompt i mod len(prompts)), plain and speculative with
 adaptive K <= max K for each draft.
@@ -27,6 +27,7 @@ import torch
 
 from draftsmith.serve.device import DTYPES
 from draftsmith.serve.engine import Engine, eos_ids_of, load_draft
+from draftsmith.serve.proposers import PromptLookup, Proposer
 from draftsmith.serve.protocol import chat_token_ids
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Scheduler
@@ -140,12 +141,19 @@ def bench_transformers(
 
 
 def bench_engine(
-    engine: Engine, method: str, prompts: list[list[int]], params: SamplingParams, k: int, repeats: int, device: str
+    engine: Engine,
+    method: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    k: int,
+    repeats: int,
+    device: str,
+    proposer: Proposer | None = None,
 ) -> tuple[BenchRow, list[list[int]]]:
-    """Batch 1, prompt after prompt."""
+    """Batch 1, prompt after prompt; proposer: what drafts (default: the engine's draft)."""
 
     def run():
-        runs = [engine.generate([p], params, num_speculative_tokens=k) for p in prompts]
+        runs = [engine.generate([p], params, num_speculative_tokens=k, proposer=proposer) for p in prompts]
         stats = SpecStats()
         for g in runs:
             stats.merge(g.stats)
@@ -164,9 +172,10 @@ def bench_batch(
     requests: int,
     repeats: int,
     device: str,
+    proposer: Proposer | None = None,
 ) -> tuple[BenchRow, list[list[int]]]:
     """`requests` requests (the prompts, cycled) through the continuous-batching scheduler."""
-    scheduler = Scheduler(engine, k, adaptive=adaptive)
+    scheduler = Scheduler(engine, k, adaptive=adaptive, proposer=proposer)
     # step costs for adaptive K at every batch bucket (on a GPU: the steps' CUDA graphs, compiled): the batch
     # shrinks as the last requests finish, and a bucket first met inside a timed run compiles there (likely why
     # a W4A16 draft's third run on the H200 took 28 s where the others took ~2 s); greedy: no sampled forwards
@@ -202,7 +211,9 @@ def run_bench(
     with_eager: bool = False,
     batch: int = 16,
     stop_at_eos: bool = False,
+    lookup: bool = False,
 ) -> list[BenchRow]:
+    """The rows of `bench decode` (see the module's docstring); lookup: prompt lookup too, as one more draft."""
     max_seq_len = max(len(p) for p in prompts) + new_tokens + max(ks) + 8
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=not stop_at_eos)
     rows: list[BenchRow] = []
@@ -217,6 +228,10 @@ def run_bench(
         )
     target = load_model(target_dir, DTYPES[dtype], device)
     models = {name: load_draft(d, DTYPES[dtype], device) for name, d in zip(draft_names(drafts), drafts)}
+    # name -> (the engine's draft, the proposer when it is not the draft): prompt lookup has no model
+    drafters = {name: (model, None) for name, model in models.items()}
+    if lookup:
+        drafters["prompt lookup"] = (None, PromptLookup(target.args.vocab_size))
     eos = eos_ids_of(target_dir)
     graphs = device.startswith("cuda")
     # engines share the target and each holds its own KV caches and graphs: one alive at a time
@@ -235,10 +250,10 @@ def run_bench(
         device,
     )
     rows.append(row)
-    for name, draft in models.items():
+    for name, (draft, proposer) in drafters.items():
         engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
         for k in ks:
-            row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, params, k, repeats, device)
+            row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, params, k, repeats, device, proposer)
             row.compare(tokens, plain)
             rows.append(row)
     if batch > 1:
@@ -253,9 +268,9 @@ def run_bench(
         row, tokens = bench_batch(engine_of(), f"plain, batch {batch}", prompts, params, 0, False, requests, repeats, device)
         row.compare(tokens, alone)
         rows.append(row)
-        for name, draft in models.items():
+        for name, (draft, proposer) in drafters.items():
             method = f"{name} adaptive K<={max(ks)}, batch {batch}"
-            row, tokens = bench_batch(engine_of(draft), method, prompts, params, max(ks), True, requests, repeats, device)
+            row, tokens = bench_batch(engine_of(draft), method, prompts, params, max(ks), True, requests, repeats, device, proposer)
             row.compare(tokens, alone)
             rows.append(row)
     return rows

@@ -117,6 +117,7 @@ def bench_decode(
     transformers_baseline: bool = typer.Option(False, help="include transformers generate"),
     assisted: bool = typer.Option(False, help="include transformers assisted generation with the (first) draft model"),
     eager: bool = typer.Option(False, help="include plain decoding eager and with CUDA graphs but no compiled blocks"),
+    lookup: bool = typer.Option(False, "--lookup", help="include prompt lookup (n-gram drafts from the text so far) at each K"),
     out: Path = typer.Option(None, help="write the rows as JSON here"),
     cache_dir: str = typer.Option("~/.cache/draftsmith", help="where converted targets are kept"),
 ) -> None:
@@ -157,6 +158,7 @@ def bench_decode(
             with_eager=eager,
             batch=batch,
             stop_at_eos=stop_at_eos,
+            lookup=lookup,
         )
     length = f"up to {new_tokens} new tokens (to EOS)" if stop_at_eos else f"{new_tokens} new tokens"
     title = f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {length}, greedy, median of {repeats} runs"

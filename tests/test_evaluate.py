@@ -392,21 +392,28 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
 
     target_dir, draft_dir = tiny_models["llama"]
     prompts = random_prompts(3, 97, seed=4)
-    rows = run_bench(target_dir, [draft_dir], prompts, new_tokens=12, ks=(1, 3), device="cpu", dtype="float64", repeats=2, batch=2)
+    rows = run_bench(
+        target_dir, [draft_dir], prompts, new_tokens=12, ks=(1, 3), device="cpu", dtype="float64", repeats=2, batch=2, lookup=True
+    )
     assert [r.method for r in rows] == [
         "plain, eager",
         "draft K=1, eager",
         "draft K=3, eager",
+        "prompt lookup K=1, eager",
+        "prompt lookup K=3, eager",
         "plain, batch 2",
         "draft adaptive K<=3, batch 2",
+        "prompt lookup adaptive K<=3, batch 2",
     ]
     assert all(len(r.runs_tokens_per_s) == 2 and r.tokens_per_s > 0 for r in rows)  # every row: the same repeats
-    plain, k1, k3, plain_batch, adaptive = rows
-    assert plain.tokens == k1.tokens == k3.tokens == 3 * 12 and plain_batch.tokens == adaptive.tokens == 8 * 12
+    plain, k1, k3, lookup1, lookup3, plain_batch, adaptive, lookup_batch = rows
+    assert plain.tokens == k1.tokens == k3.tokens == lookup3.tokens == 3 * 12
+    assert plain_batch.tokens == adaptive.tokens == lookup_batch.tokens == 8 * 12
     assert plain.target_steps == 3 * 11  # each prompt's first token comes from its prefill
     # the same tokens as batch 1's plain decoding, compared, not counted; plain batching too
-    assert k1.matches_plain and k3.matches_plain and plain_batch.matches_plain and adaptive.matches_plain
+    assert all(r.matches_plain for r in rows[1:])
     assert k3.tau > 1 and k3.target_steps < plain.target_steps  # drafts were kept: fewer target steps
+    assert lookup1.tau is not None and lookup3.acceptance_rate is not None  # prompt lookup's rows count what it drafted
 
 
 def test_a_bench_row_says_how_many_sequences_part_from_plain_decoding_and_where():
