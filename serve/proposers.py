@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -158,14 +159,21 @@ class EagleProposer:
 
 def lookup(history: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """The K tokens after the latest earlier occurrence of the history's longest final n-gram
-    (n from max_ngram down to min_ngram); where fewer follow, or none match, the last token repeats."""
-    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
-        suffix = list(history[-n:])
-        for start in range(len(history) - n - 1, -1, -1):  # latest match first, never the suffix itself
-            if list(history[start : start + n]) == suffix:
-                follow = list(history[start + n : start + n + k])
-                return follow + [follow[-1]] * (k - len(follow))
-    return [history[-1]] * k
+    (n from max_ngram down to min_ngram); where fewer follow, or none match, the last token repeats.
+    The search is vectorised: it runs on the host between a step and the next launch, for every row of
+    a batch, over the whole text so far (a Python loop over the starts took ~0.2 ms a row of 500 tokens)."""
+    h = np.asarray(history)
+    length = len(h)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        match = h[: length - n] == h[length - n]  # starts 0 .. length - n - 1: never the final n-gram itself
+        for i in range(1, n):
+            match &= h[i : length - n + i] == h[length - n + i]
+        found = np.flatnonzero(match)
+        if len(found):
+            start = int(found[-1]) + n  # the latest match
+            follow = [int(t) for t in h[start : start + k]]
+            return follow + [follow[-1]] * (k - len(follow))
+    return [int(h[-1])] * k
 
 
 class PromptLookup:

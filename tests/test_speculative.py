@@ -93,6 +93,28 @@ def test_prompt_lookup_copies_the_latest_continuation_of_the_final_ngram():
     assert lookup([1, 2, 3, 2], k=3, max_ngram=3, min_ngram=1) == [3, 2, 2]  # fewer follow: the last repeats
     assert lookup([1, 2, 3, 4], k=2, max_ngram=3, min_ngram=1) == [4, 4]  # no match
     assert lookup([7], k=2, max_ngram=3, min_ngram=1) == [7, 7]
+    assert lookup([4, 4, 4, 4], k=2, max_ngram=2, min_ngram=2) == [4, 4]  # overlapping occurrences count
+    assert lookup([1, 2, 9, 1, 2], k=2, max_ngram=3, min_ngram=2) == [9, 1]  # the 3-gram is not there, the 2-gram is
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prompt_lookup_agrees_with_its_definition_on_random_texts(seed):
+    # the definition, spelled out: every earlier n-gram that equals the final one, longest n first, the latest of them
+    def defined(history, k, max_ngram, min_ngram):
+        for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+            starts = [i for i in range(len(history) - n) if history[i : i + n] == history[len(history) - n :]]
+            if starts:
+                follow = history[starts[-1] + n :][:k]
+                return follow + follow[-1:] * (k - len(follow))
+        return history[-1:] * k
+
+    rng = random.Random(seed)
+    for _ in range(300):
+        vocab = rng.choice([3, 20, 5000])  # few distinct tokens: long matches; many: none
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(1, 300))]
+        k, max_ngram = rng.randrange(1, 8), rng.randrange(1, 5)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        assert lookup(history, k, max_ngram, min_ngram) == defined(history, k, max_ngram, min_ngram)
 
 
 def test_greedy_prompt_lookup_equals_target_greedy(tiny_models):
