@@ -176,7 +176,8 @@ class KeptStates:
         for key, part in computed.items():
             size = part.numel() * part.element_size()
             if key in self.registered and key not in self.states and self.used + size <= self.budget:
-                self.states[key] = part  # a view: the batch's tensor stays as long as one of its rows is kept
+                # a copy, not a view: a view would keep the whole (padded) batch's tensor alive, past the budget
+                self.states[key] = part.clone()
                 self.used += size
         return [computed[id(row)] if id(row) in computed else self.states[id(row)] for row in batch.sources]
 

@@ -578,6 +578,7 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
     layer_calls.clear()
     torch.testing.assert_close(kept.hidden(target, both), expected)
     assert list(kept.states) == [id(rows[0])] and kept.used == size
+    assert kept.states[id(rows[0])].untyped_storage().nbytes() == size  # what the budget counts: not the batch's tensor
     torch.testing.assert_close(kept.hidden(target, first), alone, rtol=1e-5, atol=1e-5)
     assert len(layer_calls) == 1  # the first batch: the kept row alone ran nothing
     rows_run = []
