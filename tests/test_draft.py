@@ -448,6 +448,8 @@ def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(t
     """The held-out TVD and loss keep the target's hidden states from the first evaluation (the target
     does not train): later evaluations do not run its layers, and every evaluation equals TVD computed
     from both models' whole logits."""
+    from dataclasses import replace
+
     from transformers import AutoModelForCausalLM
 
     from draftsmith.distill import losses as L
@@ -499,6 +501,9 @@ def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(t
     assert second["eval_tvd"] != first["eval_tvd"]
     expected = direct()
     assert second["eval_tvd"] == pytest.approx(expected, rel=1e-6)
+    # the logits a few positions at a time (a large vocabulary's are never made whole): the same values
+    chunked = DraftObjective(replace(cfg, loss_chunk_size=5), online=True).held_out(draft, target, rows, "cpu")
+    assert chunked == pytest.approx(second, rel=1e-6)
 
 
 def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny_models, tmp_path):
