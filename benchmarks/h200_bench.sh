@@ -119,8 +119,14 @@ bg)  # the rest of the line in the background, past a call's 10 minutes while th
   shift
   rm -f "$root/bg.done"
   mkdir -p "$root/out"
-  setsid nohup bash -c 'OUT="$1/out" LIMIT="$2" bash "${@:3}"; touch "$1/bg.done"' _ "$root" "${LIMIT:-3000}" "$0" "$@" \
-    > "$root/bg.log" 2>&1 < /dev/null &
+  # each later call copies the working tree over this one: a run that imports a module meanwhile (a sweep's next
+  # job) met a half-copied file, so the run goes on in a copy of its own, installed editable from there
+  snap=$root/snapshot
+  rm -rf "$snap" && mkdir -p "$snap" && tar --exclude=./.gpu --exclude=./.whl --exclude="./.venv*" --exclude=./.git -cf - . | tar -xf - -C "$snap"
+  ln -s "$PWD/.gpu" "$snap/.gpu"
+  (cd "$snap" && python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >/dev/null)
+  setsid nohup bash -c 'cd "$1/snapshot" && OUT="$1/out" LIMIT="$2" bash benchmarks/h200_bench.sh "${@:3}"; touch "$1/bg.done"' \
+    _ "$root" "${LIMIT:-3000}" "$@" > "$root/bg.log" 2>&1 < /dev/null &
   echo "started: $*"
   ;;
 wait)  # until the background run ends, at most ${2:-280} s: its stages and log, then what it wrote so far to $OUT
