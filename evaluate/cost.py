@@ -65,3 +65,13 @@ def choose_k(speedups: dict[int, float], source: str = "predicted") -> tuple[int
             "off there until the draft's acceptance is higher"
         )
     return k, why
+
+
+def faster_than_shipped(predicted: dict[str, dict[int, float]], shipped: str) -> list[tuple[str, int, float]]:
+    """The other proposers (prompt lookup, the draft before training) whose best predicted speedup beats the
+    shipped draft's best, as (name, its best K, that speedup), fastest first: on code, prompt lookup needs no
+    draft and can out-decode a trained one (a cheaper step at equal tau)."""
+    best = lambda curve: max(sorted(curve), key=lambda k: curve[k])
+    bar = max(predicted[shipped].values())
+    rivals = [(name, best(curve), curve[best(curve)]) for name, curve in predicted.items() if name != shipped and curve]
+    return sorted((r for r in rivals if r[2] > bar), key=lambda r: -r[2])

@@ -208,6 +208,28 @@ def write_plots(report: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def predicted_table(speed: dict, shipped: str) -> list[str]:
+    """Markdown lines: each proposer's predicted speedup by K at the evaluation batch size, and which of the
+    others would decode faster than the shipped draft."""
+    from draftsmith.evaluate.cost import faster_than_shipped
+
+    predicted = {name: {int(k): v for k, v in curve.items()} for name, curve in speed["predicted_speedup"].items()}
+    ks = sorted({k for curve in predicted.values() for k in curve})
+    lines = [
+        f"**Predicted speedup over plain decoding at batch {speed['batch_size']}** (tau x the plain step's time / the step's, "
+        "both timed here)",
+        "",
+        "| proposer | " + " | ".join(f"K={k}" for k in ks) + " |",
+        "|---" * (len(ks) + 1) + "|",
+        *(f"| {name} | " + " | ".join(f"{curve[k]:.2f}x" if k in curve else "" for k in ks) + " |" for name, curve in predicted.items()),
+        "",
+    ]
+    best = max(predicted[shipped].values())
+    for name, k, x in faster_than_shipped(predicted, shipped):
+        lines += [f"{name} is predicted faster than the shipped draft here: {x:.2f}x at K={k} against {best:.2f}x.", ""]
+    return lines
+
+
 def markdown(report: dict) -> str:
     """Tables of tau per proposer and K with alpha (K = 1) and the share kept at the chosen K, the chosen K and the gates."""
     max_k = report["max_speculative_tokens"]
@@ -234,6 +256,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {taus} | {rate(1)} | {rate(chosen_k)} |")
         lines.append("")
     k, check, speed = report["num_speculative_tokens"], report["cross_check"], report["speed"]
+    lines += predicted_table(speed, report["shipped"])
     runs = speed.get("runs_tokens_per_s", {}).get("plain", [])
     of_runs = f" (medians of {len(runs)} runs each, plain and speculative in turns)" if len(runs) > 1 else ""
     lines += [

@@ -209,6 +209,13 @@ def step_costs(ev: Evaluation, drafts: dict[str, Any], shipped: str, progress, t
     return step_ms, shipped_engine
 
 
+def warn_of_faster(predicted: dict[str, dict[int, float]], shipped: str) -> None:
+    """A warning for each proposer predicted faster than the shipped draft (eval.md names them too)."""
+    for name, k, x in cost.faster_than_shipped(predicted, shipped):
+        best = max(predicted[shipped].values())
+        log.warning("evaluate: %s is predicted faster than the shipped draft on this split (%.2fx at K=%d against %.2fx)", name, x, k, best)
+
+
 def engine_speed(
     ev: Evaluation, plain: Engine, shipped: str, shipped_engine: Engine, k: int
 ) -> tuple[Measurement, Measurement, list, bool, float]:
@@ -292,6 +299,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         tau = lambda name: {r.k: r.tau for r in rows if r.proposer == name and r.temperature == 0.0}
         predicted = {name: cost.predicted_speedups(tau(name), step_ms[name]) for name in names}
         k, why = cost.choose_k(predicted[shipped])
+        warn_of_faster(predicted, shipped)
         progress.update(task, description=f"engine: plain and {shipped} K={k}")
         plain_run, shipped_run, runs, disturbed, speedup = engine_speed(ev, plain, shipped, shipped_engine, k)
         progress.advance(task)

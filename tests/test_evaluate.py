@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draftsmith.evaluate import report as reports
-from draftsmith.evaluate.cost import choose_k, faster_than_plain, predicted_speedup, predicted_speedups
+from draftsmith.evaluate.cost import choose_k, faster_than_plain, faster_than_shipped, predicted_speedup, predicted_speedups
 from draftsmith.evaluate.stage import gates
 from draftsmith.serve.stats import SpecStats, expected_tokens
 
@@ -257,6 +257,23 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
     md = (out / "eval.md").read_text()
     assert f"| alpha | kept K={k} |" in md
     assert f"| {rows_at(report, 'w4a16', 1)['acceptance_rate']:.3f} | {rows_at(report, 'w4a16', k)['acceptance_rate']:.3f} |" in md
+    # every proposer's predicted speedup by K; one that would out-decode the shipped draft is named
+    assert f"**Predicted speedup over plain decoding at batch {report['speed']['batch_size']}**" in md
+    assert all(f"| {name} | " in md for name in report["speed"]["predicted_speedup"])
+    predicted = report["speed"]["predicted_speedup"]
+    rigged = {**report["speed"], "predicted_speedup": {**predicted, "prompt_lookup": {"3": 9.0}}}
+    best = max(predicted["w4a16"].values())
+    named = f"prompt_lookup is predicted faster than the shipped draft here: 9.00x at K=3 against {best:.2f}x."
+    assert named in reports.markdown({**report, "speed": rigged})
+    as_ints = {name: {int(k): v for k, v in curve.items()} for name, curve in predicted.items()}
+    assert ("predicted faster than the shipped draft" in md) == bool(faster_than_shipped(as_ints, "w4a16"))
+
+
+def test_a_proposer_predicted_faster_than_the_shipped_draft_is_named_at_its_best_k():
+    predicted = {"eagle3": {1: 1.56, 3: 1.82, 5: 1.69}, "prompt_lookup": {3: 1.89, 7: 2.11, 8: 2.04}, "initial": {1: 0.95}}
+    assert faster_than_shipped(predicted, "eagle3") == [("prompt_lookup", 7, 2.11)]  # the H100's qwen_coder run, 2026-12-05
+    assert faster_than_shipped(predicted, "prompt_lookup") == []
+    assert faster_than_shipped({**predicted, "initial": {2: 2.5}}, "eagle3") == [("initial", 2, 2.5), ("prompt_lookup", 7, 2.11)]
 
 
 def test_eval_json_is_reproducible(evaluated):
