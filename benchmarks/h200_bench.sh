@@ -297,9 +297,10 @@ if len(jobs) == 3 and all(j["status"] == "ok" for j in jobs):
 PY
 )
   [ -n "$drafts" ] || { echo "qwen_coder: the sweep has not finished; run again to resume"; exit 0; }
-  # 16 prompts: on the first 8, prompt lookup's tau at K = 5 was 3.43, on the evaluate stage's 128 it is 2.51
+  # PROMPTS (8): held-out prompts at batch 1. On the first 8, prompt lookup's tau at K = 5 was 3.43 against 2.51
+  # on the evaluate stage's 128; 16 tell more but add ~2 minutes to a run that takes ~26 of a session's 30
   "${cli[@]}" bench decode --device cuda --target "$assets"/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --data "$assets"/code_prompts.jsonl \
-    --eval-fraction 0.2 --prompts 16 --new-tokens 128 --batch 16 --k 3 --k 5 --repeats 3 $drafts --lookup --cache-dir $root/cache \
+    --eval-fraction 0.2 --prompts "${PROMPTS:-8}" --new-tokens 128 --batch 16 --k 3 --k 5 --repeats 3 $drafts --lookup --cache-dir $root/cache \
     --out "$out/bench_decode_qwen_coder.json" 2>&1 | tail -30
   ;;
 batch)
