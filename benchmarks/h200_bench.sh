@@ -45,7 +45,7 @@
 # EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
-# STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
+# PROMPTS (8): the held-out prompts of qwen_coder's bench decode. STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
 # replaces decode's drafts; `best` there is the best job of the newest `shapes` sweep, `spread4` its 4-layer
 # spread draft and `shipped` the W4A16 drafts of the newest sweep's jobs (`pipeline`), best first.
 set -euo pipefail
