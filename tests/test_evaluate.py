@@ -70,6 +70,26 @@ def test_step_times_are_taken_in_turns_and_a_busy_moment_moves_none(tiny_models,
     assert set(ms) == {0, 1, 2} and all(0 < v < 300 for v in ms.values())
 
 
+def test_a_proposer_that_reads_the_text_is_timed_searching_texts_as_long_as_decoding_makes(tiny_models):
+    """Prompt lookup's cost is the host's search of each row's text: timed on one-token texts it cost nothing,
+    and adaptive K kept speculating where it decoded at half plain speed."""
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.proposers import PromptLookup
+    from draftsmith.serve.weights import load_model
+
+    target_dir, _ = tiny_models["qwen2"]
+    engine = Engine(load_model(target_dir, torch.float32), max_batch_size=3, max_seq_len=96)
+    searched = []
+
+    class Recorded(PromptLookup):  # prompt lookup itself, noting how long each text it searched was
+        def propose(self, state, k, rows, generator, histories=()):
+            searched.append([len(h) for h in histories])
+            return super().propose(state, k, rows, generator, histories)
+
+    ms = engine.time_steps(3, range(3), rounds=2, proposer=Recorded(engine.target.args.vocab_size))
+    assert set(ms) == {0, 1, 2} and searched == [[48, 48, 48]] * 6  # K = 1 and 2, a warm-up and two rounds
+
+
 def test_k_choice_takes_the_best_speedup_and_says_why():
     k, why = choose_k({1: 1.1, 2: 1.4, 3: 1.3})
     assert k == 2 and why == "K=2 has the best predicted speedup over plain decoding (1.40x)"
