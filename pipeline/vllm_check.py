@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.url and not args.target:
         parser.error("give the target, or --url of a running vLLM server")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its errors reach us whole
+    # the check judges the bundle, not what earlier runs left in ~/.cache/vllm: an EAGLE-3 check that found a
+    # compiled backbone it could not load recompiled and died of a stack overflow inside torch (2026-12-05)
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     try:
         version = "at " + args.url if args.url else __import__("vllm").__version__
     except ImportError as e:
