@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.evaluate.acceptance import Computed, Measurement
+from draftsmith.evaluate.cost import INITIAL, faster_than_shipped
 
 PLOTS = ("acceptance_by_position.png", "tau_vs_k.png", "speedup.png")
 FORMAT_VERSION = 3  # 3: rows' accepted / drafted is "acceptance_rate" (it was "alpha"); dynamic_k
@@ -122,7 +123,7 @@ class EvalReport:
             "shipped": self.shipped,
             "kind": self.kind,
             **{f"tau_k5_{name}": v for name, v in tau5.items()},
-            "tau_k5_distilled_over_initial": tau5[self.shipped] / tau5["initial"] if tau5 else None,
+            "tau_k5_distilled_over_initial": tau5[self.shipped] / tau5[INITIAL] if tau5 else None,
             "predicted_speedup": self.speed.predicted_speedup[self.shipped][k],
             "measured_speedup": self.speed.measured_speedup[self.shipped][k],
             "measured_tau": measured,
@@ -211,8 +212,6 @@ def write_plots(report: dict, out: Path) -> None:
 def predicted_table(speed: dict, shipped: str) -> list[str]:
     """Markdown lines: each proposer's predicted speedup by K at the evaluation batch size, and which of the
     others would decode faster than the shipped draft."""
-    from draftsmith.evaluate.cost import faster_than_shipped
-
     predicted = {name: {int(k): v for k, v in curve.items()} for name, curve in speed["predicted_speedup"].items()}
     ks = sorted({k for curve in predicted.values() for k in curve})
     lines = [

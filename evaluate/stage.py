@@ -34,7 +34,6 @@ from draftsmith.serve.proposers import PromptLookup, read_vocab
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.transformers_model import load_any
 
-PROMPT_LOOKUP = "prompt_lookup"
 EVAL_PROMPTS = "eval_prompts.json"  # the held-out prompts' token ids, shipped in the bundle
 GATE_KEYS = ("evaluate.min_alpha", "evaluate.alpha_gate", "evaluate.max_tau_loss", "evaluate.min_speedup")  # judged after the stage
 log = logging.getLogger("draftsmith")
@@ -54,7 +53,7 @@ def draft_dirs(inputs: Mapping[str, StageOutput]) -> dict[str, Path]:
     shipped = draft_dir_of(distill, quantize)
     quantized = shipped != distill.path / "draft"
     name = "eagle3" if draft_kind(distill) == "eagle3" else "w4a16" if quantized else "bf16"
-    return {name: shipped, **({"bf16": distill.path / "draft"} if quantized else {}), "initial": distill.path / "initial"}
+    return {name: shipped, **({"bf16": distill.path / "draft"} if quantized else {}), cost.INITIAL: distill.path / "initial"}
 
 
 def same_shape(a, b) -> bool:
@@ -288,7 +287,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     ev = Evaluation(e, device, dtype, target_dir, load_any(target_dir, dtype, device), held_out_prompts(e, inputs["data"]))
     dirs, vocab = draft_dirs(inputs), read_vocab(inputs["distill"].path)
     shipped = next(iter(dirs))
-    names = [*dirs, PROMPT_LOOKUP]
+    names = [*dirs, cost.PROMPT_LOOKUP]
     temperatures = [0.0, e.temperature]
     drafts = {name: load_draft(dirs[name], dtype, device, vocab, fallback=True) if name in dirs else None for name in names}
     with Progress() as progress:

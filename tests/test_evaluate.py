@@ -294,6 +294,9 @@ def test_a_proposer_predicted_faster_than_the_shipped_draft_is_named_at_its_best
     assert faster_than_shipped(predicted, "eagle3") == [("prompt_lookup", 7, 2.11)]  # the H100's qwen_coder run, 2026-12-05
     assert faster_than_shipped(predicted, "prompt_lookup") == []
     assert faster_than_shipped({**predicted, "initial": {2: 2.5}}, "eagle3") == [("initial", 2, 2.5), ("prompt_lookup", 7, 2.11)]
+    assert faster_than_shipped({**predicted, "prompt_lookup": {3: 1.85}}, "eagle3") == []  # within the timings' noise
+    # a W4A16 draft's bf16 twin costs the same timed steps: only what quantization loses tells them apart (gated)
+    assert faster_than_shipped({"w4a16": {1: 1.41}, "bf16": {1: 1.6}, "prompt_lookup": {1: 1.0}}, "w4a16") == []
 
 
 def test_eval_json_is_reproducible(evaluated):
