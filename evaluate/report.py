@@ -210,8 +210,8 @@ def write_plots(report: dict, out: Path) -> None:
 
 
 def predicted_table(speed: dict, shipped: str) -> list[str]:
-    """Markdown lines: each proposer's predicted speedup by K at the evaluation batch size, and which of the
-    others would decode faster than the shipped draft."""
+    """Markdown lines: each proposer's predicted speedup by K at the evaluation batch size, and the
+    alternatives predicted faster than the shipped draft (cost.faster_than_shipped)."""
     predicted = {name: {int(k): v for k, v in curve.items()} for name, curve in speed["predicted_speedup"].items()}
     ks = sorted({k for curve in predicted.values() for k in curve})
     lines = [

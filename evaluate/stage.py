@@ -209,9 +209,9 @@ def step_costs(ev: Evaluation, drafts: dict[str, Any], shipped: str, progress, t
 
 
 def warn_of_faster(predicted: dict[str, dict[int, float]], shipped: str) -> None:
-    """A warning for each proposer predicted faster than the shipped draft (eval.md names them too)."""
+    """A warning for each alternative predicted faster than the shipped draft (eval.md names them too)."""
+    best = max(predicted[shipped].values())
     for name, k, x in cost.faster_than_shipped(predicted, shipped):
-        best = max(predicted[shipped].values())
         log.warning("evaluate: %s is predicted faster than the shipped draft on this split (%.2fx at K=%d against %.2fx)", name, x, k, best)
 
 
