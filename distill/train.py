@@ -258,13 +258,12 @@ class DraftObjective:
         for start in range(0, len(rows), self.cfg.batch_size):
             batch = collate(rows[start : start + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
             target_hidden, hidden = self.kept.hidden(target, batch), predicted_hidden(student, batch)
-            chunk = self.cfg.loss_chunk_size or batch.num_targets
+            chunk, cached = self.cfg.loss_chunk_size or batch.num_targets, batch.topk_ids is not None
             for first in range(0, batch.num_targets, chunk):
                 at = slice(first, first + chunk)
                 target_logits, logits = target_head(target_hidden[at]).float(), student_head(hidden[at]).float()
                 total_tvd += losses.tvd(*losses.full(logits, target_logits, 1.0)).sum().item()
-                online = None if batch.topk_ids is not None else target_logits
-                total_loss += self.position_loss(logits, batch, online, at).sum().item()
+                total_loss += self.position_loss(logits, batch, None if cached else target_logits, at).sum().item()
             count += batch.num_targets
         return {"eval_tvd": total_tvd / count, "eval_loss": total_loss / count}
 

@@ -227,9 +227,8 @@ def run_bench(
             )
         )
     target = load_model(target_dir, DTYPES[dtype], device)
-    models = {name: load_draft(d, DTYPES[dtype], device) for name, d in zip(draft_names(drafts), drafts)}
     # name -> (the engine's draft, the proposer when it is not the draft): prompt lookup has no model
-    drafters = {name: (model, None) for name, model in models.items()}
+    drafters = {name: (load_draft(d, DTYPES[dtype], device), None) for name, d in zip(draft_names(drafts), drafts)}
     if lookup:
         drafters["prompt lookup"] = (None, PromptLookup(target.args.vocab_size))
     eos = eos_ids_of(target_dir)
