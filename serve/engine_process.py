@@ -260,7 +260,7 @@ class EngineLoop:
         scheduler.on_step = lambda k, accepted: self.events.append(("step", k, accepted))
 
     def run(self, requests: Connection) -> None:
-        s = self.scheduler
+        s, told = self.scheduler, (0, 0)  # the running and waiting counts the server last heard
         while True:
             idle = not s.waiting and not s.num_running and s.in_flight is None
             while idle or requests.poll():  # idle, it waits for the next request
@@ -273,9 +273,10 @@ class EngineLoop:
                 self.take(message)
                 idle = False
             s.step_or_fail()
-            if self.events:
-                events, self.events = self.events, []
-                self.out.send(("events", events, s.num_running, s.num_waiting))
+            counts = (s.num_running, s.num_waiting)
+            if self.events or counts != told:  # a step that only freed a cancelled row hands out nothing, yet the server must hear it
+                events, self.events, told = self.events, [], counts
+                self.out.send(("events", events, *counts))
 
     def take(self, message: tuple) -> None:
         if message[0] == "cancel":

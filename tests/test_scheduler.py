@@ -2,11 +2,15 @@
 the target's greedy output token for token and its sampling distribution; adaptive K follows the
 cost model; a cancelled request frees its row."""
 
+import multiprocessing
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from draftsmith.serve.engine import Engine, EngineError, load_draft
+from draftsmith.serve.engine_process import STOP, EngineLoop
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Acceptance, Request, Scheduler, StepCostTable, bucket
 from draftsmith.serve.weights import load_model
@@ -175,6 +179,26 @@ def test_a_cancelled_request_frees_its_row_and_too_long_requests_are_refused(tin
     scheduler.drain()
     with pytest.raises(EngineError, match="exceed max_seq_len"):
         scheduler.submit(Request([1] * 30, SamplingParams(max_new_tokens=40)))
+
+
+def test_the_engines_process_tells_the_server_of_a_row_a_late_cancellation_freed(tiny_models):
+    """A cancellation the engine's process reads after the request's first step frees the row in a step that hands
+    out nothing; the server still hears that nothing runs (it once kept counting the row for good)."""
+    target_dir, draft_dir = tiny_models["qwen2"]
+    scheduler = Scheduler(engine_of(target_dir, draft_dir, 2), num_speculative_tokens=2, adaptive=False)
+    requests_in, requests_out = multiprocessing.Pipe(duplex=False)
+    events_in, events_out = multiprocessing.Pipe(duplex=False)
+    loop = threading.Thread(target=EngineLoop(scheduler, events_out).run, args=(requests_in,))
+    loop.start()
+    requests_out.send(("submit", 0, [1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True)))
+    heard = [events_in.recv()]
+    requests_out.send(("cancel", 0))
+    while heard[-1][2:] != (0, 0) and events_in.poll(5):
+        heard.append(events_in.recv())
+    requests_out.send(STOP)
+    loop.join()
+    assert heard[0][2:] == (1, 0) and heard[-1][2:] == (0, 0)
+    assert not any(e[0] == "done" for message in heard for e in message[1])  # cancelled: no one is told it finished
 
 
 def test_requests_join_in_one_prefill_and_a_bad_one_fails_alone(tiny_models):
