@@ -6,7 +6,8 @@ At batch 1, the held-out demo prompts one after another, greedy, exactly `new_to
 (EOS ignored; with stop_at_eos each answer ends at EOS, as served, and tokens/s counts the tokens
 generated): optionally transformers `generate` and assisted generation, draftsmith plain decoding
 (eager and CUDA graphs only when asked; CUDA graphs and compiled blocks always), and speculative
-decoding with each draft (a draft model or an EAGLE-3 head; with lookup, prompt lookup too) at each K. Then at batch `batch`
+decoding with each draft (a draft model or an EAGLE-3 head; with lookup, each draft with prompt lookup first
+(serve.proposers.LookupFirst) and prompt lookup alone too) at each K. Then at batch `batch`
 (continuous batching, CUDA graphs and compiled blocks as `draftsmith serve` runs): 4 x batch requests,
 the prompts cycled in order (request i gets prompt i mod len(prompts)), plain and speculative with
 adaptive K <= max K for each draft.
@@ -27,7 +28,7 @@ import torch
 
 from draftsmith.serve.device import DTYPES
 from draftsmith.serve.engine import Engine, eos_ids_of, load_draft
-from draftsmith.serve.proposers import PromptLookup, Proposer
+from draftsmith.serve.proposers import LookupFirst, PromptLookup, Proposer
 from draftsmith.serve.protocol import chat_token_ids
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Scheduler
@@ -213,7 +214,8 @@ def run_bench(
     stop_at_eos: bool = False,
     lookup: bool = False,
 ) -> list[BenchRow]:
-    """The rows of `bench decode` (see the module's docstring); lookup: prompt lookup too, as one more draft."""
+    """The rows of `bench decode` (see the module's docstring); lookup: each draft with prompt lookup first, and
+    prompt lookup alone, as more drafts."""
     max_seq_len = max(len(p) for p in prompts) + new_tokens + max(ks) + 8
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=not stop_at_eos)
     rows: list[BenchRow] = []
@@ -227,10 +229,16 @@ def run_bench(
             )
         )
     target = load_model(target_dir, DTYPES[dtype], device)
-    # name -> (the engine's draft, the proposer when it is not the draft): prompt lookup has no model
-    drafters = {name: (load_draft(d, DTYPES[dtype], device), None) for name, d in zip(draft_names(drafts), drafts)}
+    # name -> (the engine's draft, the proposer made for an engine when it is not the draft): prompt lookup has no
+    # model, and each draft with lookup takes the lookup's drafts where a row's text repeats itself
+    vocab_size, engines_draft = target.args.vocab_size, lambda engine: None
+    drafters: dict[str, tuple[object, Callable[[Engine], Proposer | None]]] = {}
+    for name, d in zip(draft_names(drafts), drafts):
+        drafters[name] = (load_draft(d, DTYPES[dtype], device), engines_draft)
+        if lookup:
+            drafters[f"{name} + lookup"] = (drafters[name][0], lambda engine: LookupFirst(engine.draft_proposer, vocab_size))
     if lookup:
-        drafters["prompt lookup"] = (None, PromptLookup(target.args.vocab_size))
+        drafters["prompt lookup"] = (None, lambda engine: PromptLookup(vocab_size))
     eos = eos_ids_of(target_dir)
     graphs = device.startswith("cuda")
     # engines share the target and each holds its own KV caches and graphs: one alive at a time
@@ -249,10 +257,10 @@ def run_bench(
         device,
     )
     rows.append(row)
-    for name, (draft, proposer) in drafters.items():
+    for name, (draft, proposer_of) in drafters.items():
         engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
         for k in ks:
-            row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, params, k, repeats, device, proposer)
+            row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, params, k, repeats, device, proposer_of(engine))
             row.compare(tokens, plain)
             rows.append(row)
     if batch > 1:
@@ -267,9 +275,10 @@ def run_bench(
         row, tokens = bench_batch(engine_of(), f"plain, batch {batch}", prompts, params, 0, False, requests, repeats, device)
         row.compare(tokens, alone)
         rows.append(row)
-        for name, (draft, proposer) in drafters.items():
+        for name, (draft, proposer_of) in drafters.items():
             method = f"{name} adaptive K<={max(ks)}, batch {batch}"
-            row, tokens = bench_batch(engine_of(draft), method, prompts, params, max(ks), True, requests, repeats, device, proposer)
+            engine = engine_of(draft)
+            row, tokens = bench_batch(engine, method, prompts, params, max(ks), True, requests, repeats, device, proposer_of(engine))
             row.compare(tokens, alone)
             rows.append(row)
     return rows

@@ -117,7 +117,11 @@ def bench_decode(
     transformers_baseline: bool = typer.Option(False, help="include transformers generate"),
     assisted: bool = typer.Option(False, help="include transformers assisted generation with the (first) draft model"),
     eager: bool = typer.Option(False, help="include plain decoding eager and with CUDA graphs but no compiled blocks"),
-    lookup: bool = typer.Option(False, "--lookup", help="include prompt lookup (n-gram drafts from the text so far) at each K"),
+    lookup: bool = typer.Option(
+        False,
+        "--lookup",
+        help="each draft with prompt lookup first (n-gram drafts from the text so far where it repeats itself), and prompt lookup alone, at each K",
+    ),
     out: Path = typer.Option(None, help="write the rows as JSON here"),
     cache_dir: str = typer.Option("~/.cache/draftsmith", help="where converted targets are kept"),
 ) -> None:
@@ -322,6 +326,13 @@ def serve(
         "step costs (0 where speculation would slow the batch); off: the bundle's K",
     ),
     smooth_stream: int = typer.Option(0, help="stream accepted tokens in groups of this many, evenly paced (0: as they come)"),
+    lookup_first: int = typer.Option(
+        0,
+        min=0,
+        max=3,
+        help="a row whose last N tokens occurred earlier in its text takes prompt lookup's drafts instead of the draft's "
+        "(code that repeats its prompt); where every row does, the draft does not run. 0: off",
+    ),
     api_key: str = typer.Option(None, help="require 'Authorization: Bearer <key>' on /v1/*"),
     max_body_bytes: int = typer.Option(4 << 20, help="larger request bodies get 413"),
     max_stop_strings: int = typer.Option(None, help="stop strings a request may send; more get 400 (default 64)"),
@@ -357,6 +368,7 @@ def serve(
             max_batch_size,
             target,
             adaptive_k=adaptive_k,
+            lookup_first=lookup_first,
             smooth_stream=smooth_stream,
             **limits,
         )

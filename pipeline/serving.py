@@ -61,6 +61,7 @@ def load_server(
     target: str | None = None,
     engine_process: bool = True,
     adaptive_k: bool = True,
+    lookup_first: int = 0,
     **options,
 ) -> "Server":
     """Verify the bundle (the same checks as `draftsmith bundle verify`, with `target` instead of the
@@ -80,20 +81,28 @@ def load_server(
             f"{refusal}: draftsmith serve runs targets in its own model code only; serve this bundle with vLLM (serve.sh)"
         )
     k = spec["num_speculative_tokens"]
-    load = partial(load_scheduler, bundle, device, dtype, max_model_len, max_batch_size, target, adaptive_k)
-    engine = EngineProcess(load) if engine_process else load().engine
+    load = partial(load_scheduler, bundle, device, dtype, max_model_len, max_batch_size, target, adaptive_k, lookup_first)
+    engine = EngineProcess(load) if engine_process else load()
     reference = bundle / TARGET_JSON
     name = json.loads(reference.read_text())["name_or_path"] if reference.is_file() else target_dir.name
     return Server(engine, AutoTokenizer.from_pretrained(target_dir), str(name), k, max_model_len, adaptive_k=adaptive_k, **options)
 
 
 def load_scheduler(
-    bundle: Path, device: str, dtype: str, max_model_len: int, max_batch_size: int, target: str | None, adaptive_k: bool
+    bundle: Path,
+    device: str,
+    dtype: str,
+    max_model_len: int,
+    max_batch_size: int,
+    target: str | None,
+    adaptive_k: bool,
+    lookup_first: int = 0,
 ) -> "Scheduler":
-    """The bundle's target and draft in an engine, under a scheduler with the bundle's K (the bundle verified already)."""
+    """The bundle's target and draft in an engine, under a scheduler with the bundle's K (the bundle verified
+    already); lookup_first > 0: prompt lookup drafts for rows whose last lookup_first tokens occurred earlier."""
     from draftsmith.serve.device import pick_device
     from draftsmith.serve.engine import Engine
-    from draftsmith.serve.proposers import read_vocab
+    from draftsmith.serve.proposers import LookupFirst, read_vocab
     from draftsmith.serve.scheduler import Scheduler
 
     spec = json.loads((bundle / SPECULATIVE_CONFIG).read_text())
@@ -107,4 +116,5 @@ def load_scheduler(
         draft_vocab=read_vocab(bundle),
         max_seq_len=max_model_len + spec["num_speculative_tokens"] + 1,
     )
-    return Scheduler(engine, spec["num_speculative_tokens"], adaptive=adaptive_k)
+    proposer = LookupFirst(engine.draft_proposer, engine.target.args.vocab_size, lookup_first) if lookup_first else None
+    return Scheduler(engine, spec["num_speculative_tokens"], adaptive=adaptive_k, proposer=proposer)

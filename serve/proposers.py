@@ -22,7 +22,7 @@ from torch import Tensor
 from draftsmith.serve.eagle import EagleHead
 from draftsmith.serve.model import Transformer
 from draftsmith.serve.sampling import Random, RowSampling, greedy, probabilities, sample
-from draftsmith.serve.speculative import DecodeState, Forward, StepOutput
+from draftsmith.serve.speculative import DecodeState, Forward, StepOutput, fed_tokens
 
 VOCAB_FILE = "draft_vocab.json"  # beside a draft model: the token ids it proposes from ({"token_ids": [...]})
 
@@ -115,6 +115,13 @@ class DraftModel:
             self.forward(torch.stack([state.previous, state.pending], dim=1), torch.cat([positions - 1, positions], dim=1))
         return None
 
+    def read(self, state: DecodeState, out: StepOutput) -> None:
+        """After a step whose drafts were not (all) this model's: read the tokens the target read, at their
+        positions, so that the cache holds what the next step's drafting assumes (the entries past what the
+        step kept are rewritten later)."""
+        positions = state.lengths.unsqueeze(1) + torch.arange(out.tokens.shape[1], device=out.tokens.device)
+        self.forward(fed_tokens(state, out), positions)
+
 
 class EagleProposer:
     """An EAGLE-3 head: proposals from the head's hidden state for the position before `pending`
@@ -159,9 +166,14 @@ class EagleProposer:
 
 def lookup(history: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """The K tokens after the latest earlier occurrence of the history's longest final n-gram
-    (n from max_ngram down to min_ngram); where fewer follow, or none match, the last token repeats.
-    The search is vectorised: it runs on the host between a step and the next launch, for every row of
-    a batch, over the whole text so far (a Python loop over the starts took ~0.2 ms a row of 500 tokens)."""
+    (n from max_ngram down to min_ngram); where fewer follow, or none match, the last token repeats."""
+    return lookup_match(history, k, max_ngram, min_ngram)[0]
+
+
+def lookup_match(history: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """`lookup`'s K tokens and the length n of the n-gram they follow (0: none matched). The search is
+    vectorised: it runs on the host between a step and the next launch, for every row of a batch, over the
+    whole text so far (a Python loop over the starts took ~0.2 ms a row of 500 tokens)."""
     h = np.asarray(history)
     length = len(h)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -172,8 +184,8 @@ def lookup(history: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> li
         if len(found):
             start = int(found[-1]) + n  # the latest match
             follow = [int(t) for t in h[start : start + k]]
-            return follow + [follow[-1]] * (k - len(follow))
-    return [int(h[-1])] * k
+            return follow + [follow[-1]] * (k - len(follow)), n
+    return [int(h[-1])] * k, 0
 
 
 class PromptLookup:
@@ -187,13 +199,72 @@ class PromptLookup:
     ) -> tuple[Tensor, Tensor | None]:
         device = state.lengths.device
         tokens = torch.tensor([lookup(h, k, self.max_ngram, self.min_ngram) for h in histories], device=device)  # [B, K]
-        if rows.all_greedy:
-            return tokens, None
-        # a deterministic proposal is a draw from a one-hot q: kept with probability p(token)
-        return tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, K, V]
+        return tokens, self.distributions(tokens, rows)
+
+    def distributions(self, tokens: Tensor, rows: RowSampling) -> Tensor | None:
+        """A deterministic proposal is a draw from a one-hot q: kept with probability p(token). None when greedy."""
+        return None if rows.all_greedy else torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, K, V]
 
     def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> None:
         return None
 
     def follow(self, state: DecodeState, out: StepOutput) -> None:
         return None
+
+
+class LookupFirst:
+    """Prompt lookup where a row's text already holds its final `min_match` tokens (code that repeats its
+    prompt, say), the draft (a draft model or an EAGLE-3 head) for the other rows; in a step where every row
+    has such a match the draft does not run at all. Which proposer drafts a row is decided from its text
+    alone, so verification stays exact. The draft's state follows every step either way: an EAGLE-3 head
+    reads the target's hidden states as after any step, and a draft model reads the tokens the target read
+    wherever it did not draft them itself."""
+
+    reads_history = True
+
+    def __init__(self, draft: "DraftModel | EagleProposer", vocab_size: int, min_match: int = 3, max_ngram: int = 3):
+        if not 1 <= min_match <= max_ngram:
+            raise ValueError(f"min_match must be 1..max_ngram ({max_ngram}), got {min_match}")
+        self.draft, self.lookup = draft, PromptLookup(vocab_size, max_ngram, min_ngram=1)
+        self.min_match = min_match
+        self._planned: tuple[Sequence[Sequence[int]], int, list[tuple[list[int], int]]] | None = None
+        self._drafted_all = True  # whether the last proposal was all the draft's own
+
+    def matches(self, histories: Sequence[Sequence[int]], k: int) -> list[tuple[list[int], int]]:
+        """Each row's lookup (its K tokens, the length of the n-gram matched), searched once a step."""
+        if self._planned is None or self._planned[0] is not histories or self._planned[1] != k:
+            found = [lookup_match(h, k, self.lookup.max_ngram, 1) for h in histories]
+            self._planned = (histories, k, found)
+        return self._planned[2]
+
+    def covers(self, histories: Sequence[Sequence[int]], k: int) -> bool:
+        """Whether every row takes the lookup's drafts (the draft need not run)."""
+        return all(n >= self.min_match for _, n in self.matches(histories, k))
+
+    def propose(
+        self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
+    ) -> tuple[Tensor, Tensor | None]:
+        found = self.matches(histories, k)
+        device = state.lengths.device
+        looked = torch.tensor([tokens for tokens, _ in found], device=device)  # [B, K]
+        take = [n >= self.min_match for _, n in found]
+        self._planned, self._drafted_all = None, not any(take)
+        if all(take):
+            return looked, self.lookup.distributions(looked, rows)
+        tokens, q = self.draft.propose(state, k, rows, generator, histories)
+        if self._drafted_all:
+            return tokens, q
+        use = torch.tensor(take, device=device)
+        tokens = torch.where(use.unsqueeze(1), looked, tokens)
+        if q is not None:
+            q = torch.where(use.view(-1, 1, 1), self.lookup.distributions(looked, rows), q)
+        return tokens, q
+
+    def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> Tensor | None:
+        return self.draft.prefill(tokens, positions, lengths, first, target_hidden, cache_rows)
+
+    def follow(self, state: DecodeState, out: StepOutput) -> Tensor | None:
+        if not self._drafted_all and isinstance(self.draft, DraftModel):
+            self.draft.read(state, out)
+        self._drafted_all = True
+        return self.draft.follow(state, out)

@@ -51,7 +51,7 @@ class Server:
 
     def __init__(
         self,
-        engine: "Engine | EngineProcess",
+        engine: "Engine | Scheduler | EngineProcess",
         tokenizer,
         model_name: str,
         num_speculative_tokens: int,
@@ -61,9 +61,8 @@ class Server:
         max_stop_strings: int = MAX_STOP_STRINGS,
         max_stop_chars: int = MAX_STOP_CHARS,
     ):
-        """engine: an Engine, which a scheduler runs on a thread of this process, or an EngineProcess, whose
-        scheduler runs in a process of its own (made with num_speculative_tokens and adaptive_k, which
-        apply here to an Engine only)."""
+        """engine: a Scheduler, or an Engine under a scheduler made with num_speculative_tokens and adaptive_k,
+        run on a thread of this process; or an EngineProcess, whose scheduler runs in a process of its own."""
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.k, self.smooth_stream = num_speculative_tokens, smooth_stream
         self.max_stop_strings, self.max_stop_chars = max_stop_strings, max_stop_chars
@@ -73,10 +72,12 @@ class Server:
             self.scheduler: Scheduler | EngineProcess = engine
             engine.on_step = self.metrics.count_step
         else:
+            self.scheduler = engine if isinstance(engine, Scheduler) else Scheduler(engine, num_speculative_tokens, adaptive=adaptive_k)
+            self.scheduler.on_step = self.metrics.count_step
+            engine = self.scheduler.engine
             self.vocab_size = engine.target.args.vocab_size
             if engine.detokenize is None:  # stop strings are matched on the text the client gets
                 engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-            self.scheduler = Scheduler(engine, num_speculative_tokens, adaptive=adaptive_k, on_step=self.metrics.count_step)
         self.metrics.running.set_function(lambda: self.scheduler.num_running)
         self.metrics.waiting.set_function(lambda: self.scheduler.num_waiting)
         self.ready = False

@@ -439,16 +439,19 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
         "plain, eager",
         "draft K=1, eager",
         "draft K=3, eager",
+        "draft + lookup K=1, eager",
+        "draft + lookup K=3, eager",
         "prompt lookup K=1, eager",
         "prompt lookup K=3, eager",
         "plain, batch 2",
         "draft adaptive K<=3, batch 2",
+        "draft + lookup adaptive K<=3, batch 2",
         "prompt lookup adaptive K<=3, batch 2",
     ]
     assert all(len(r.runs_tokens_per_s) == 2 and r.tokens_per_s > 0 for r in rows)  # every row: the same repeats
-    plain, k1, k3, lookup1, lookup3, plain_batch, adaptive, lookup_batch = rows
-    assert plain.tokens == k1.tokens == k3.tokens == lookup3.tokens == 3 * 12
-    assert plain_batch.tokens == adaptive.tokens == lookup_batch.tokens == 8 * 12
+    plain, k1, k3, both1, both3, lookup1, lookup3, plain_batch, adaptive, both_batch, lookup_batch = rows
+    assert plain.tokens == k1.tokens == k3.tokens == both3.tokens == lookup3.tokens == 3 * 12
+    assert plain_batch.tokens == adaptive.tokens == both_batch.tokens == lookup_batch.tokens == 8 * 12
     assert plain.target_steps == 3 * 11  # each prompt's first token comes from its prefill
     # the same tokens as batch 1's plain decoding, compared, not counted; plain batching too
     assert all(r.matches_plain for r in rows[1:])

@@ -230,6 +230,13 @@ def test_serve_loads_a_bundle_path_or_the_registered_champion(published):
     server.scheduler.submit(Request(server.tokenizer.encode("hello"), SamplingParams(max_new_tokens=3), on_done=done.append))
     server.scheduler.drain()  # what the server's engine thread runs
     assert len(done) == 1 and 1 <= len(done[0].tokens) <= 3
+    # --lookup-first: a row that repeats itself takes prompt lookup's drafts, and its greedy text stays the same
+    prompt, params = server.tokenizer.encode("refund refund refund refund refund"), SamplingParams(max_new_tokens=24, ignore_eos=True)
+    texts = []
+    for lookup_first in (0, 2):
+        server = load_server(bundle, device="cpu", dtype="float32", max_model_len=128, engine_process=False, lookup_first=lookup_first)
+        texts.append(server.scheduler.run_all([prompt], params)[0][0].tokens)
+    assert server.scheduler.proposer.min_match == 2 and texts[0] == texts[1]
     with pytest.raises(BundleSourceError, match="no such bundle dir"):
         resolve_bundle(str(tmp / "nowhere"))
     broken = shutil.copytree(bundle, tmp / "broken-bundle")

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from draftsmith.serve.engine import Engine, EngineError
-from draftsmith.serve.proposers import PromptLookup, lookup
+from draftsmith.serve.proposers import LookupFirst, PromptLookup, lookup, lookup_match
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, save_tiny_head
 
 NUM_PROMPTS = 200
 NEW_TOKENS = 12
@@ -128,6 +128,75 @@ def test_greedy_prompt_lookup_equals_target_greedy(tiny_models):
         runs = [engine.generate(p, params, k, proposer=PromptLookup(97)) for p in (prompts[:4], prompts[4:])]
         assert [c.tokens for run in runs for c in run.completions] == expected, f"K={k}"
         assert sum(run.stats.num_accepted_tokens for run in runs) > 0
+
+
+class Recorded(LookupFirst):
+    """LookupFirst noting, per step, which rows took the lookup's drafts and how many drafts each row kept."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps: list[tuple[list[bool], list[int]]] = []
+
+    def propose(self, state, k, rows, generator, histories=()):
+        self.steps.append(([n >= self.min_match for _, n in self.matches(histories, k)], []))
+        return super().propose(state, k, rows, generator, histories)
+
+    def follow(self, state, out):
+        if out.tokens.shape[1] > 1:
+            self.steps[-1][1].extend(out.num_accepted.tolist())
+        return super().follow(state, out)
+
+
+def test_lookup_first_says_how_long_a_match_it_found():
+    assert lookup_match([5, 6, 7, 9, 5, 6, 7, 8, 1, 5, 6, 7], 3, 3, 1) == ([8, 1, 5], 3)
+    assert lookup_match([1, 2, 9, 1, 2], 2, 3, 1) == ([9, 1], 2)
+    assert lookup_match([1, 2, 3, 4], 2, 3, 1) == ([4, 4], 0)
+    with pytest.raises(ValueError, match="min_match"):
+        LookupFirst(None, 97, min_match=4, max_ngram=3)
+
+
+@pytest.mark.parametrize("kind", ["draft model", "eagle3"])
+def test_greedy_lookup_first_equals_target_greedy(tiny_models, kind, tmp_path):
+    """Rows that repeat themselves take the lookup's drafts, the others the draft's; some steps have no draft
+    forward at all. Output is the target's."""
+    target_dir, draft_dir = tiny_models["gemma2"]  # whose greedy text soon falls into loops: long matches
+    target = load_model(target_dir, torch.float64)
+    if kind == "eagle3":
+        from draftsmith.serve.eagle import load_head
+
+        draft = load_head(save_tiny_head(target_dir, tmp_path / "head", seed=2), torch.float64)
+    else:
+        draft = load_model(draft_dir, torch.float64)
+    engine = Engine(target, draft, max_batch_size=4, max_seq_len=96)
+    repeating = [[i % 4 + j for i in range(12)] for j in range(4)]
+    prompts = repeating[:2] + random_prompts(2, 97, seed=3) + repeating[2:] + random_prompts(2, 97, seed=4)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    expected = [c.tokens for i in (0, 4) for c in engine.generate(prompts[i : i + 4], params).completions]
+    for k, batch in ((1, 4), (3, 4), (5, 4), (3, 1)):
+        proposer = Recorded(engine.draft_proposer, 97, min_match=3)
+        runs = [engine.generate(prompts[i : i + batch], params, k, proposer=proposer) for i in range(0, len(prompts), batch)]
+        assert [c.tokens for run in runs for c in run.completions] == expected, f"K={k}, batch {batch}"
+        took = [t for step, _ in proposer.steps for t in step]
+        assert any(took) and not all(took), f"K={k}: both proposers drafted"
+        assert any(all(step) for step, _ in proposer.steps), f"K={k}: some step needed no draft forward"
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_a_draft_model_reads_what_the_lookup_drafted(tiny_models, k):
+    """With the target as its own draft model, a row the draft model drafts keeps all K drafts, also after
+    steps whose drafts came from the lookup: its cache holds every token the target read."""
+    target_dir, _ = tiny_models["qwen2"]
+    engine = Engine(load_model(target_dir, torch.float64), load_model(target_dir, torch.float64), max_batch_size=4, max_seq_len=96)
+    prompts = [[i % 4 + j for i in range(12)] for j in range(2)] + random_prompts(2, 97, seed=3)
+    proposer = Recorded(engine.draft_proposer, 97, min_match=1)
+    engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), k, proposer=proposer)
+    after_lookup, looked = [], [False] * len(prompts)
+    for step, kept in proposer.steps:
+        for row, (lookup_row, n) in enumerate(zip(step, kept)):
+            if not lookup_row and looked[row]:
+                after_lookup.append(n)
+            looked[row] |= lookup_row
+    assert len(after_lookup) >= 5 and all(n == k for n in after_lookup), after_lookup
 
 
 @pytest.mark.parametrize("overlap", [False, True])
