@@ -229,16 +229,7 @@ def run_bench(
             )
         )
     target = load_model(target_dir, DTYPES[dtype], device)
-    # name -> (the engine's draft, the proposer made for an engine when it is not the draft): prompt lookup has no
-    # model, and each draft with lookup takes the lookup's drafts where a row's text repeats itself
-    vocab_size, engines_draft = target.args.vocab_size, lambda engine: None
-    drafters: dict[str, tuple[object, Callable[[Engine], Proposer | None]]] = {}
-    for name, d in zip(draft_names(drafts), drafts):
-        drafters[name] = (load_draft(d, DTYPES[dtype], device), engines_draft)
-        if lookup:
-            drafters[f"{name} + lookup"] = (drafters[name][0], lambda engine: LookupFirst(engine.draft_proposer, vocab_size))
-    if lookup:
-        drafters["prompt lookup"] = (None, lambda engine: PromptLookup(vocab_size))
+    drafters = drafters_of(drafts, target.args.vocab_size, dtype, device, lookup)
     eos = eos_ids_of(target_dir)
     graphs = device.startswith("cuda")
     # engines share the target and each holds its own KV caches and graphs: one alive at a time
@@ -282,6 +273,21 @@ def run_bench(
             row.compare(tokens, alone)
             rows.append(row)
     return rows
+
+
+def drafters_of(drafts: Sequence[Path], vocab_size: int, dtype: str, device: str, lookup: bool) -> dict[str, tuple]:
+    """name -> (the engine's draft, a function of the engine giving the proposer when it is not the draft): with
+    lookup, each draft with prompt lookup first (it drafts where a row's text repeats itself), then prompt lookup
+    alone, which has no model."""
+    engines_draft = lambda engine: None
+    drafters: dict[str, tuple[object, Callable[[Engine], Proposer | None]]] = {}
+    for name, d in zip(draft_names(drafts), drafts):
+        drafters[name] = (load_draft(d, DTYPES[dtype], device), engines_draft)
+        if lookup:
+            drafters[f"{name} + lookup"] = (drafters[name][0], lambda engine: LookupFirst(engine.draft_proposer, vocab_size))
+    if lookup:
+        drafters["prompt lookup"] = (None, lambda engine: PromptLookup(vocab_size))
+    return drafters
 
 
 def environment(device: str) -> dict:

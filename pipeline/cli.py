@@ -117,11 +117,7 @@ def bench_decode(
     transformers_baseline: bool = typer.Option(False, help="include transformers generate"),
     assisted: bool = typer.Option(False, help="include transformers assisted generation with the (first) draft model"),
     eager: bool = typer.Option(False, help="include plain decoding eager and with CUDA graphs but no compiled blocks"),
-    lookup: bool = typer.Option(
-        False,
-        "--lookup",
-        help="each draft with prompt lookup first (n-gram drafts from the text so far where it repeats itself), and prompt lookup alone, at each K",
-    ),
+    lookup: bool = typer.Option(False, "--lookup", help="each draft with prompt lookup first, and prompt lookup alone, at each K"),
     out: Path = typer.Option(None, help="write the rows as JSON here"),
     cache_dir: str = typer.Option("~/.cache/draftsmith", help="where converted targets are kept"),
 ) -> None:
