@@ -24,7 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 from draftsmith.distill.data import heldout_messages
-from draftsmith.evaluate.acceptance import acceptance, references
+from draftsmith.evaluate.acceptance import acceptance, reach, references, replay
 from draftsmith.pipeline.target import convert_gguf
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.proposers import lookup_match
@@ -39,17 +39,14 @@ KS = (1, 2, 3, 4, 5, 7)
 def speed(accepts, drafted_by_lookup, refs, k: int, costs: dict[str, float]) -> tuple[float, float]:
     """(tau, speedup over plain) of the steps the engine takes at K, each drafted by lookup where
     drafted_by_lookup[m] (its cost: a verify step and the host's search) and by the draft elsewhere."""
-    tokens = steps = ms = 0.0
+    tokens = ms = steps = 0.0
     for (draft, lookup), chosen, ref in zip(accepts, drafted_by_lookup, refs):
-        reach = np.zeros(ref.end + k + 2)
-        reach[1] = 1.0
-        for m in range(1, ref.end + 1):
-            if reach[m] == 0:
-                continue
-            kept = np.cumprod((lookup if chosen[m] else draft)[m, 1 : k + 1])  # P(at least j kept)
-            steps, tokens = steps + reach[m], tokens + reach[m] * (1 + kept.sum())
-            ms += reach[m] * (costs["verify"] + (costs["lookup"] if chosen[m] else k * costs["draft_step"]))
-            reach[m + 1 : m + k + 2] += reach[m] * (np.append(1.0, kept) - np.append(kept, 0.0))
+        chosen = np.asarray(chosen)
+        mixed = np.where(chosen[:, None], lookup, draft)
+        s, accepted, _ = replay(mixed, ref.end, k)
+        step_ms = costs["verify"] + np.where(chosen, costs["lookup"], k * costs["draft_step"])
+        steps, tokens = steps + s, tokens + s + accepted
+        ms += reach(mixed, ref.end, k)[1 : ref.end + 1] @ step_ms[1 : ref.end + 1]
     return tokens / steps, tokens / ms * costs["plain"]
 
 

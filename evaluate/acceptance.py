@@ -60,21 +60,24 @@ def references(engine: Engine, prompts: Sequence[Sequence[int]], params: Samplin
     return refs
 
 
-def replay(accept: np.ndarray, end: int, k: int) -> tuple[float, float, np.ndarray]:
-    """The engine's steps with K drafts over one sequence, whose j-th draft from a step at m is accepted
-    with probability accept[m, j] (0 or 1 at T = 0): expected (steps, accepted drafts, accepted per position)."""
-    reach = np.zeros(end + k + 2)  # P(a step starts at m)
-    reach[1] = 1.0
-    steps, accepted, by_position = 0.0, 0.0, np.zeros(k)
+def reach(accept: np.ndarray, end: int, k: int) -> np.ndarray:
+    """P(a step of the engine starts at m), m = 0 .. end + K + 1, over one sequence whose j-th draft from a step at
+    m is accepted with probability accept[m, j] (0 or 1 at T = 0)."""
+    starts = np.zeros(end + k + 2)
+    starts[1] = 1.0
     for m in range(1, end + 1):
-        if reach[m] == 0:
-            continue
-        at_least = np.cumprod(accept[m, 1 : k + 1])  # P(n >= j), j = 1..K
-        steps += reach[m]
-        by_position += reach[m] * at_least
-        accepted += reach[m] * at_least.sum()
-        reach[m + 1 : m + k + 2] += reach[m] * (np.append(1.0, at_least) - np.append(at_least, 0.0))  # P(n = 0..K)
-    return steps, accepted, by_position
+        if starts[m]:
+            at_least = np.cumprod(accept[m, 1 : k + 1])  # P(n >= j), j = 1..K
+            starts[m + 1 : m + k + 2] += starts[m] * (np.append(1.0, at_least) - np.append(at_least, 0.0))  # P(n = 0..K)
+    return starts
+
+
+def replay(accept: np.ndarray, end: int, k: int) -> tuple[float, float, np.ndarray]:
+    """The engine's steps with K drafts over one sequence (`reach`): expected (steps, accepted drafts, accepted
+    per position)."""
+    starts = reach(accept, end, k)[1 : end + 1]
+    by_position = starts @ np.cumprod(accept[1 : end + 1, 1 : k + 1], axis=1)
+    return starts.sum(), by_position.sum(), by_position
 
 
 @dataclass

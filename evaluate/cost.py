@@ -81,3 +81,12 @@ def faster_than_shipped(predicted: dict[str, dict[int, float]], shipped: str, ma
     bar = margin * max(predicted[shipped].values())
     rivals = [(name, best(curve), curve[best(curve)]) for name, curve in predicted.items() if name in ALTERNATIVES and curve]
     return sorted((r for r in rivals if r[2] > bar), key=lambda r: -r[2])
+
+
+def faster_notes(predicted: dict[str, dict[int, float]], shipped: str) -> list[str]:
+    """A sentence for each alternative `faster_than_shipped` names, for eval.md and the stage's log."""
+    best = max(predicted[shipped].values())
+    return [
+        f"{name} is predicted faster than the shipped draft here: {x:.2f}x at K={k} against {best:.2f}x."
+        for name, k, x in faster_than_shipped(predicted, shipped)
+    ]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.evaluate.acceptance import Computed, Measurement
-from draftsmith.evaluate.cost import INITIAL, faster_than_shipped
+from draftsmith.evaluate.cost import INITIAL, faster_notes
 
 PLOTS = ("acceptance_by_position.png", "tau_vs_k.png", "speedup.png")
 FORMAT_VERSION = 3  # 3: rows' accepted / drafted is "acceptance_rate" (it was "alpha"); dynamic_k
@@ -211,7 +211,7 @@ def write_plots(report: dict, out: Path) -> None:
 
 def predicted_table(speed: dict, shipped: str) -> list[str]:
     """Markdown lines: each proposer's predicted speedup by K at the evaluation batch size, and the
-    alternatives predicted faster than the shipped draft (cost.faster_than_shipped)."""
+    alternatives predicted faster than the shipped draft (cost.faster_notes)."""
     predicted = {name: {int(k): v for k, v in curve.items()} for name, curve in speed["predicted_speedup"].items()}
     ks = sorted({k for curve in predicted.values() for k in curve})
     lines = [
@@ -223,9 +223,8 @@ def predicted_table(speed: dict, shipped: str) -> list[str]:
         *(f"| {name} | " + " | ".join(f"{curve[k]:.2f}x" if k in curve else "" for k in ks) + " |" for name, curve in predicted.items()),
         "",
     ]
-    best = max(predicted[shipped].values())
-    for name, k, x in faster_than_shipped(predicted, shipped):
-        lines += [f"{name} is predicted faster than the shipped draft here: {x:.2f}x at K={k} against {best:.2f}x.", ""]
+    for note in faster_notes(predicted, shipped):
+        lines += [note, ""]
     return lines
 
 

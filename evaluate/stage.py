@@ -208,13 +208,6 @@ def step_costs(ev: Evaluation, drafts: dict[str, Any], shipped: str, progress, t
     return step_ms, shipped_engine
 
 
-def warn_of_faster(predicted: dict[str, dict[int, float]], shipped: str) -> None:
-    """A warning for each alternative predicted faster than the shipped draft (eval.md names them too)."""
-    best = max(predicted[shipped].values())
-    for name, k, x in cost.faster_than_shipped(predicted, shipped):
-        log.warning("evaluate: %s is predicted faster than the shipped draft on this split (%.2fx at K=%d against %.2fx)", name, x, k, best)
-
-
 def engine_speed(
     ev: Evaluation, plain: Engine, shipped: str, shipped_engine: Engine, k: int
 ) -> tuple[Measurement, Measurement, list, bool, float]:
@@ -298,7 +291,8 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         tau = lambda name: {r.k: r.tau for r in rows if r.proposer == name and r.temperature == 0.0}
         predicted = {name: cost.predicted_speedups(tau(name), step_ms[name]) for name in names}
         k, why = cost.choose_k(predicted[shipped])
-        warn_of_faster(predicted, shipped)
+        for note in cost.faster_notes(predicted, shipped):  # eval.md names them too
+            log.warning("evaluate: %s", note)
         progress.update(task, description=f"engine: plain and {shipped} K={k}")
         plain_run, shipped_run, runs, disturbed, speedup = engine_speed(ev, plain, shipped, shipped_engine, k)
         progress.advance(task)
