@@ -213,17 +213,25 @@ def run_bench(
     batch: int = 16,
     stop_at_eos: bool = False,
     lookup: bool = False,
+    on_row: Callable[[list[BenchRow]], None] | None = None,
 ) -> list[BenchRow]:
     """The rows of `bench decode` (see the module's docstring); lookup: each draft with prompt lookup first, and
-    prompt lookup alone, as more drafts."""
+    prompt lookup alone, as more drafts. on_row hears the rows so far after each new one (what a run cut short
+    keeps)."""
     max_seq_len = max(len(p) for p in prompts) + new_tokens + max(ks) + 8
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=not stop_at_eos)
     rows: list[BenchRow] = []
+
+    def add(row: BenchRow) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)
+
     if with_transformers:
-        rows.append(bench_transformers(target_dir, prompts, new_tokens, device, dtype, repeats, stop_at_eos=stop_at_eos))
+        add(bench_transformers(target_dir, prompts, new_tokens, device, dtype, repeats, stop_at_eos=stop_at_eos))
     standalone = [d for d, name in zip(drafts, draft_names(drafts)) if name.startswith("draft")]
     if with_assisted and standalone:
-        rows.append(
+        add(
             bench_transformers(
                 target_dir, prompts, new_tokens, device, dtype, repeats, assistant_dir=standalone[0], stop_at_eos=stop_at_eos
             )
@@ -236,7 +244,7 @@ def run_bench(
     if graphs and with_eager:  # what CUDA graphs alone save, then what compiling the blocks adds
         for method, graph in (("plain, eager", False), ("plain, CUDA graphs", True)):
             engine = Engine(target, max_seq_len=max_seq_len, cuda_graphs=graph, compile_blocks=False, eos_token_ids=eos)
-            rows.append(bench_engine(engine, method, prompts, params, 0, repeats, device)[0])
+            add(bench_engine(engine, method, prompts, params, 0, repeats, device)[0])
     mode = "graphs+compile" if graphs else "eager"
     row, plain = bench_engine(
         Engine(target, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos),
@@ -247,13 +255,13 @@ def run_bench(
         repeats,
         device,
     )
-    rows.append(row)
+    add(row)
     for name, (draft, proposer_of) in drafters.items():
         engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
         for k in ks:
             row, tokens = bench_engine(engine, f"{name} K={k}, {mode}", prompts, params, k, repeats, device, proposer_of(engine))
             row.compare(tokens, plain)
-            rows.append(row)
+            add(row)
     if batch > 1:
         requests = 4 * batch
         # as draftsmith serve runs: CUDA graphs and compiled blocks
@@ -265,13 +273,13 @@ def run_bench(
         alone = [plain[i % len(prompts)] for i in range(requests)]
         row, tokens = bench_batch(engine_of(), f"plain, batch {batch}", prompts, params, 0, False, requests, repeats, device)
         row.compare(tokens, alone)
-        rows.append(row)
+        add(row)
         for name, (draft, proposer_of) in drafters.items():
             method = f"{name} adaptive K<={max(ks)}, batch {batch}"
             engine = engine_of(draft)
             row, tokens = bench_batch(engine, method, prompts, params, max(ks), True, requests, repeats, device, proposer_of(engine))
             row.compare(tokens, alone)
-            rows.append(row)
+            add(row)
     return rows
 
 

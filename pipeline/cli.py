@@ -118,7 +118,7 @@ def bench_decode(
     assisted: bool = typer.Option(False, help="include transformers assisted generation with the (first) draft model"),
     eager: bool = typer.Option(False, help="include plain decoding eager and with CUDA graphs but no compiled blocks"),
     lookup: bool = typer.Option(False, "--lookup", help="each draft with prompt lookup first, and prompt lookup alone, at each K"),
-    out: Path = typer.Option(None, help="write the rows as JSON here"),
+    out: Path = typer.Option(None, help="write the rows as JSON here, again after each row (a run cut short keeps what it measured)"),
     cache_dir: str = typer.Option("~/.cache/draftsmith", help="where converted targets are kept"),
 ) -> None:
     """Decode speed, greedy, each row the median of --repeats runs: at batch 1 plain decoding and each draft at
@@ -144,6 +144,7 @@ def bench_decode(
         ids = chat_prompts(target_dir, heldout_messages(data, fraction=eval_fraction)[:prompts])
         if not ids:
             raise typer.BadParameter(f"{data} has no prompts in its held-out split at --eval-fraction {eval_fraction}")
+        command, about = " ".join(sys.argv), {"target": target, "drafts": [str(d) for d in draft]}
         rows = run_bench(
             target_dir,
             draft,
@@ -159,13 +160,12 @@ def bench_decode(
             batch=batch,
             stop_at_eos=stop_at_eos,
             lookup=lookup,
+            on_row=lambda rows: write_results(rows, out, command, device, about) if out else None,
         )
     length = f"up to {new_tokens} new tokens (to EOS)" if stop_at_eos else f"{new_tokens} new tokens"
     title = f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {length}, greedy, median of {repeats} runs"
     table = results_table(rows, title)
     Console().print(table)
-    if out:
-        write_results(rows, out, " ".join(sys.argv), device, {"target": target, "drafts": [str(d) for d in draft]})
 
 
 @bench.command("serve")

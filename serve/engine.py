@@ -22,7 +22,7 @@ from draftsmith.serve.eagle import EagleFormatError, EagleHead, check_fits, is_e
 from draftsmith.serve.graphs import GraphedForward, GraphedPrefill, GraphedSteps
 from draftsmith.serve.model import Transformer
 from draftsmith.serve.penalties import Penalties
-from draftsmith.serve.proposers import DraftModel, EagleProposer, LookupFirst, Proposer
+from draftsmith.serve.proposers import DraftModel, EagleProposer, LookupFirst, PromptLookup, Proposer
 from draftsmith.serve.rejection import Verifier, rejection_sample
 from draftsmith.serve.sampling import Random, RowSampling, SamplingParams, probabilities, sample, to_device
 from draftsmith.serve.speculative import DecodeState, StepOutput, decode_step
@@ -385,8 +385,13 @@ class Engine:
         tensors hold until the next step."""
         self.activate()
         graphed = self.step_graphs is not None and rows.all_greedy and rows.penalties is None
-        if graphed and k and isinstance(proposer, LookupFirst) and not proposer.covers(histories, k):
-            proposer = self.draft_proposer  # the draft runs anyway: its step's graph, its drafts for every row
+        if graphed and k and isinstance(proposer, PromptLookup):  # the host's drafts into the step's graph
+            return self.step_graphs(state, active, k, to_device(proposer.plan(histories, k)[0], self.device), follows=False)
+        if graphed and k and isinstance(proposer, LookupFirst) and proposer.draft is self.draft_proposer:
+            drafts, use = proposer.plan(histories, k)
+            if any(use):  # the lookup's drafts where they are taken (every row: the draft does not run)
+                return self.step_graphs(state, active, k, to_device(drafts, self.device), None if all(use) else to_device(use, self.device))
+            proposer = self.draft_proposer
         if graphed and (k == 0 or proposer is self.draft_proposer):
             return self.step_graphs(state, active, k)
         return decode_step(self.target_forward, proposer, state, active, k, rows, generator, self.verify, histories)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.serve.model import Transformer
-from draftsmith.serve.proposers import Proposer
+from draftsmith.serve.proposers import GivenDrafts, Proposer
 from draftsmith.serve.sampling import RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState, StepOutput, TargetForward, decode_step
 
@@ -107,28 +107,40 @@ class GraphedForward:
 
 
 class GraphedSteps:
-    """Greedy decoding steps as CUDA graphs, one per (batch, K); K = 0 is a plain step. `proposer()`
-    makes the engine's proposer with compiled forwards (None without a draft)."""
+    """Greedy decoding steps as CUDA graphs, one per (batch, K, drafts); K = 0 is a plain step. `proposer()`
+    makes the engine's proposer with compiled forwards (None without a draft). Drafts found on the host
+    (prompt lookup's) are copied into the graph's own buffers (serve.proposers.GivenDrafts) before it replays,
+    for every row (the draft, if `follows`, reads the step after) or only the rows `use` marks (the draft
+    drafts the others)."""
 
     def __init__(
         self, target: Transformer, hidden_layers: tuple[int, ...], proposer: Callable[[], Proposer | None], hidden_size: int | None = None
     ):
         self.target, self.hidden_layers, self.proposer, self.hidden_size = target, hidden_layers, proposer, hidden_size
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeState, Tensor, StepOutput]] = {}
+        self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, DecodeState, Tensor, Proposer | None, StepOutput]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     @torch.inference_mode()
-    def __call__(self, state: DecodeState, active: Tensor, k: int) -> StepOutput:
-        """The step's output (rewritten by the next replay); `state` advances in place."""
-        graph, static_state, static_active, out = self.graphs.get((len(active), k)) or self.capture(len(active), k)
+    def __call__(
+        self, state: DecodeState, active: Tensor, k: int, drafts: Tensor | None = None, use: Tensor | None = None, follows: bool = True
+    ) -> StepOutput:
+        """The step's output (rewritten by the next replay); `state` advances in place. drafts [B, K]: the
+        host's, taken where `use` [B] is True (None: every row)."""
+        drafted = "draft" if drafts is None else "mixed" if use is not None else "given" if follows else "given alone"
+        key = (len(active), k, drafted)
+        graph, static_state, static_active, proposer, out = self.graphs.get(key) or self.capture(*key)
         static_state.copy_(state)
         static_active.copy_(active)
+        if drafts is not None:
+            proposer.tokens.copy_(drafts)
+        if use is not None:
+            proposer.use.copy_(use)
         graph.replay()
         state.copy_(static_state)
         return out
 
     @torch.inference_mode()
-    def capture(self, batch: int, k: int):
+    def capture(self, batch: int, k: int, drafted: str = "draft"):
         weight = self.target.output.weight
         # warm-up and capture run inactive rows past the cache's end: every write lands in the spare slot
         # (positions clamp to it, the draft's re-read of `previous` included) and the state stays put
@@ -136,10 +148,14 @@ class GraphedSteps:
         active = torch.zeros(batch, dtype=torch.bool, device=weight.device)
         rows = RowSampling.of([SamplingParams()] * batch, weight.device)  # greedy: no generator, no distributions
         target = target_forward(self.target, self.hidden_layers, fused=True)
-        proposer = self.proposer()
+        proposer = None if drafted == "given alone" else self.proposer()
+        if drafted != "draft":
+            tokens = torch.zeros(batch, k, dtype=torch.long, device=weight.device)
+            use = torch.zeros(batch, dtype=torch.bool, device=weight.device) if drafted == "mixed" else None
+            proposer = GivenDrafts(proposer, tokens, use)
         graph, out = record_graph(lambda: decode_step(target, proposer, state, active, k, rows, None), self.pool)
-        self.graphs[(batch, k)] = (graph, state, active, out)
-        return self.graphs[(batch, k)]
+        self.graphs[(batch, k, drafted)] = (graph, state, active, proposer, out)
+        return self.graphs[(batch, k, drafted)]
 
 
 class GraphedPrefill:

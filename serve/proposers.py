@@ -197,9 +197,12 @@ class PromptLookup:
     def propose(
         self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
     ) -> tuple[Tensor, Tensor | None]:
-        device = state.lengths.device
-        tokens = torch.tensor([lookup(h, k, self.max_ngram, self.min_ngram) for h in histories], device=device)  # [B, K]
+        tokens = torch.tensor(self.plan(histories, k)[0], device=state.lengths.device)  # [B, K]
         return tokens, self.distributions(tokens, rows)
+
+    def plan(self, histories: Sequence[Sequence[int]], k: int) -> tuple[list[list[int]], None]:
+        """Each row's K drafts, found on the host, and which rows take them (None: all)."""
+        return [lookup(h, k, self.max_ngram, self.min_ngram) for h in histories], None
 
     def distributions(self, tokens: Tensor, rows: RowSampling) -> Tensor | None:
         """A deterministic proposal is a draw from a one-hot q: kept with probability p(token). None when greedy."""
@@ -227,28 +230,20 @@ class LookupFirst:
             raise ValueError(f"min_match must be 1..max_ngram ({max_ngram}), got {min_match}")
         self.draft, self.lookup = draft, PromptLookup(vocab_size, max_ngram, min_ngram=1)
         self.min_match = min_match
-        self._planned: tuple[Sequence[Sequence[int]], int, list[tuple[list[int], int]]] | None = None
         self._drafted_all = True  # whether the last proposal was all the draft's own
 
-    def matches(self, histories: Sequence[Sequence[int]], k: int) -> list[tuple[list[int], int]]:
-        """Each row's lookup (its K tokens, the length of the n-gram matched), searched once a step."""
-        if self._planned is None or self._planned[0] is not histories or self._planned[1] != k:
-            found = [lookup_match(h, k, self.lookup.max_ngram, 1) for h in histories]
-            self._planned = (histories, k, found)
-        return self._planned[2]
-
-    def covers(self, histories: Sequence[Sequence[int]], k: int) -> bool:
-        """Whether every row takes the lookup's drafts (the draft need not run)."""
-        return all(n >= self.min_match for _, n in self.matches(histories, k))
+    def plan(self, histories: Sequence[Sequence[int]], k: int) -> tuple[list[list[int]], list[bool]]:
+        """Each row's K lookup drafts, and which rows take them (their final `min_match` tokens repeat)."""
+        found = [lookup_match(h, k, self.lookup.max_ngram, 1) for h in histories]
+        return [tokens for tokens, _ in found], [n >= self.min_match for _, n in found]
 
     def propose(
         self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
     ) -> tuple[Tensor, Tensor | None]:
-        found = self.matches(histories, k)
+        looked, take = self.plan(histories, k)
         device = state.lengths.device
-        looked = torch.tensor([tokens for tokens, _ in found], device=device)  # [B, K]
-        take = [n >= self.min_match for _, n in found]
-        self._planned, self._drafted_all = None, not any(take)
+        looked = torch.tensor(looked, device=device)  # [B, K]
+        self._drafted_all = not any(take)
         if all(take):
             return looked, self.lookup.distributions(looked, rows)
         tokens, q = self.draft.propose(state, k, rows, generator, histories)
@@ -264,7 +259,36 @@ class LookupFirst:
         return self.draft.prefill(tokens, positions, lengths, first, target_hidden, cache_rows)
 
     def follow(self, state: DecodeState, out: StepOutput) -> Tensor | None:
-        if not self._drafted_all and isinstance(self.draft, DraftModel):
-            self.draft.read(state, out)
-        self._drafted_all = True
-        return self.draft.follow(state, out)
+        drafted_all, self._drafted_all = self._drafted_all, True
+        return follow_drafts(self.draft, state, out, drafted_all)
+
+
+def follow_drafts(draft: "DraftModel | EagleProposer", state: DecodeState, out: StepOutput, drafted_all: bool) -> Tensor | None:
+    """The draft's `follow` after a step whose drafts may not all have been its own: a draft model first reads
+    the tokens the target read where it did not draft them (an EAGLE-3 head reads the target's states anyway)."""
+    if not drafted_all and isinstance(draft, DraftModel):
+        draft.read(state, out)
+    return draft.follow(state, out)
+
+
+class GivenDrafts:
+    """Drafts found on the host (prompt lookup's, `plan` above), written into `tokens` [B, K] before each step:
+    what a CUDA graph of the step reads, so greedy only. Rows that `use` [B] marks take them, the others the
+    draft's (use None: every row takes them, and the draft does not run); the draft (None: none) follows every
+    step as under LookupFirst. (It proposes within steps only: the engine's draft reads the prompts.)"""
+
+    reads_history = False
+
+    def __init__(self, draft: "DraftModel | EagleProposer | None", tokens: Tensor, use: Tensor | None):
+        self.draft, self.tokens, self.use = draft, tokens, use
+
+    def propose(
+        self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
+    ) -> tuple[Tensor, None]:
+        if self.use is None:
+            return self.tokens, None
+        drafted, _ = self.draft.propose(state, k, rows, generator, histories)
+        return torch.where(self.use.unsqueeze(1), self.tokens, drafted), None
+
+    def follow(self, state: DecodeState, out: StepOutput) -> Tensor | None:
+        return None if self.draft is None else follow_drafts(self.draft, state, out, drafted_all=False)

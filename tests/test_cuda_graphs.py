@@ -9,6 +9,7 @@ import torch
 
 from draftsmith.serve.eagle import load_head
 from draftsmith.serve.engine import Engine
+from draftsmith.serve.proposers import LookupFirst, PromptLookup
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.scheduler import Request, Scheduler
 from draftsmith.serve.weights import load_model
@@ -57,7 +58,28 @@ def test_step_graphs_equal_eager_decoding(tiny_models, kind, head_dir):
     for k in (0, 1, 3, 5):
         assert outputs(graphed, prompts, k, 4) == expected, f"K={k}"
         assert outputs(graphed, prompts[:4], k, 1) == expected[:4], f"K={k}, batch 1"
-    assert {(4, 0), (4, 3), (1, 5)} <= set(graphed.step_graphs.graphs)  # the steps did run as whole-step graphs
+    assert {(4, 0, "draft"), (4, 3, "draft"), (1, 5, "draft")} <= set(graphed.step_graphs.graphs)  # the steps did run as whole-step graphs
+
+
+def test_host_drafts_in_step_graphs_equal_eager_decoding(tiny_models, kind, head_dir):
+    """Prompt lookup's drafts, and lookup first's where rows repeat themselves, copied into the steps' graphs:
+    the same tokens and the same acceptance as the same proposers run eagerly."""
+    prompts = [[i % 4 + j for i in range(12)] for j in range(4)] + random_prompts(4, 97, seed=3)
+    eager = engine(tiny_models, torch.float64, 4, False, kind=kind, head_dir=head_dir)
+    graphed = engine(tiny_models, torch.float64, 4, True, kind=kind, head_dir=head_dir)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for k, batch in ((3, 4), (5, 1)):
+        for name, proposer in (("lookup", lambda e: PromptLookup(97)), ("lookup first", lambda e: LookupFirst(e.draft_proposer, 97, 1))):
+            got = [
+                [e.generate(prompts[i : i + batch], params, k, proposer=proposer(e)) for i in range(0, len(prompts), batch)]
+                for e in (eager, graphed)
+            ]
+            tokens = [[c.tokens for run in runs for c in run.completions] for runs in got]
+            assert tokens[0] == tokens[1], f"{name}, K={k}, batch {batch}"
+            stats = [[run.stats.as_dict() for run in runs] for runs in got]
+            assert stats[0] == stats[1], f"{name}, K={k}, batch {batch}"
+    drafted = {key[2] for key in graphed.step_graphs.graphs}
+    assert {"given alone", "given", "mixed"} <= drafted, drafted
 
 
 def test_scheduler_with_step_graphs_equals_eager(tiny_models, kind, head_dir):
@@ -103,7 +125,7 @@ def test_a_dropped_engine_frees_its_graphs_at_once_and_a_later_capture_succeeds(
     finally:
         gc.enable()
     second = engine(tiny_models, torch.float32, 4, True, kind=kind, head_dir=head_dir)
-    assert second.time_steps(4, [3])[3] > 0 and (4, 3) in second.step_graphs.graphs
+    assert second.time_steps(4, [3])[3] > 0 and (4, 3, "draft") in second.step_graphs.graphs
 
 
 def test_graphed_engines_over_the_same_models_run_in_turns(tiny_models, kind, head_dir):

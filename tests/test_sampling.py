@@ -144,7 +144,7 @@ def test_lookup_first_sampling_matches_target_distribution(small_vocab_models):
 
     class Noted(LookupFirst):
         def propose(self, state, k, rows, generator, histories=()):
-            seen.append(sum(n >= self.min_match for _, n in self.matches(histories, k)))
+            seen.append(sum(self.plan(histories, k)[1]))
             return super().propose(state, k, rows, generator, histories)
 
     draft = load_model(draft_dir, torch.float64)
