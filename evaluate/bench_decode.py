@@ -246,15 +246,8 @@ def run_bench(
             engine = Engine(target, max_seq_len=max_seq_len, cuda_graphs=graph, compile_blocks=False, eos_token_ids=eos)
             add(bench_engine(engine, method, prompts, params, 0, repeats, device)[0])
     mode = "graphs+compile" if graphs else "eager"
-    row, plain = bench_engine(
-        Engine(target, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos),
-        f"plain, {mode}",
-        prompts,
-        params,
-        0,
-        repeats,
-        device,
-    )
+    engine = Engine(target, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
+    row, plain = bench_engine(engine, f"plain, {mode}", prompts, params, 0, repeats, device)
     add(row)
     for name, (draft, proposer_of) in drafters.items():
         engine = Engine(target, draft, max_seq_len=max_seq_len, cuda_graphs=graphs, eos_token_ids=eos)
