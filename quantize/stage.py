@@ -105,7 +105,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     eval_rows = [r for r in rows if r["split"] == "eval" and r["response_ids"]]
     with quietly():  # the W4A16 draft decompresses at its first forward, with compressed-tensors' bars
         models = load(target_dir), [load(dense_dir), load(out / "draft")]
-        compared = compare_drafts(*models, eval_rows, cfg.distill.batch_size, cfg.distill.max_seq_len, device)
+        compared = compare_drafts(*models, eval_rows, cfg.distill.batch_size, cfg.distill.max_seq_len, device, cfg.distill.loss_chunk_size)
     (tvd_before, tvd_after), bf16, quantized = compared["tvd"], size_mb(dense_dir, as_bf16=True), size_mb(out / "draft")
     return {
         **done,

@@ -504,6 +504,13 @@ def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(t
     # the logits a few positions at a time (a large vocabulary's are never made whole): the same values
     chunked = DraftObjective(replace(cfg, loss_chunk_size=5), online=True).held_out(draft, target, rows, "cpu")
     assert chunked == pytest.approx(second, rel=1e-6)
+    # and the quantize stage's comparison of drafts (which ran out of memory on an H100 with the whole logits)
+    from draftsmith.distill.heldout import compare_drafts
+
+    whole, parts = (compare_drafts(target, [draft, target], rows, 3, 32, "cpu", chunk) for chunk in (0, 5))
+    assert whole["tvd"][0] == pytest.approx(expected, rel=1e-6) and whole["tvd"][1] == pytest.approx(0, abs=1e-6)
+    assert parts["tvd"] == pytest.approx(whole["tvd"], rel=1e-6, abs=1e-9)
+    assert (parts["tokens"], parts["greedy_agreement"]) == (whole["tokens"], whole["greedy_agreement"]) and whole["tokens"] == 39
 
 
 def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny_models, tmp_path):
