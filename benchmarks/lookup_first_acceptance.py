@@ -8,8 +8,8 @@ target, its 0.5B sibling as the draft (pretrained, not distilled), the held-out 
 costs of the H200 run of 2026-12-04 (benchmarks/RESULTS.md: plain 1.962 ms, a verify step ~2.10 ms, a sibling draft
 step 1.16 ms; a lookup step adds the host's search and sync, ~0.6 ms on the H100). Acceptance is exact at T = 0
 (evaluate/acceptance.py) and runs on a CPU: the target's 24 greedy continuations took 28 minutes on 2 cores.
-At batch 1 LookupFirst's choice is per step, as computed here; at larger batches the draft runs unless every row
-repeats itself.
+LookupFirst's choice is per row and step, as computed here; where every row takes the lookup's drafts, the draft
+does not run (at batch 1, every step the lookup drafts).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import torch
 from transformers import AutoTokenizer
 
 from draftsmith.distill.data import heldout_messages
-from draftsmith.evaluate.acceptance import acceptance, reach, references, replay
+from draftsmith.evaluate.acceptance import acceptance, matched_lengths, reach, references, replay
 from draftsmith.pipeline.target import convert_gguf
 from draftsmith.serve.engine import Engine
-from draftsmith.serve.proposers import lookup_match
 from draftsmith.serve.protocol import chat_token_ids
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
@@ -76,7 +75,7 @@ def main() -> None:
     accept = acceptance(target, {"draft": draft, "lookup": None}, refs, params, k_max, batch_size=2)
     seconds = time.perf_counter() - started
     pairs = list(zip(accept["draft"], accept["lookup"]))
-    matched = [[0] + [lookup_match(r.sequence[: len(r.prompt) + m], 1, 3, 1)[1] for m in range(1, r.end + 1)] for r in refs]
+    matched = [matched_lengths(r) for r in refs]
     policies = {"draft": lambda n: False, "lookup": lambda n: True} | {
         f"draft, lookup first {t}": (lambda n, t=t: n >= t) for t in (1, 2, 3)
     }

@@ -30,7 +30,7 @@ from torch import Tensor
 from draftsmith.serve.eagle import EagleHead
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.model import Transformer
-from draftsmith.serve.proposers import Proposer, full_vocab_logits, lookup
+from draftsmith.serve.proposers import Proposer, full_vocab_logits, lookup, lookup_match
 from draftsmith.serve.sampling import RowSampling, SamplingParams, probabilities
 from draftsmith.serve.scheduler import Scheduler
 from draftsmith.serve.stats import SpecStats
@@ -217,6 +217,19 @@ def _lookup_accept(ref: Reference, k_max: int, target_probs: Tensor | None, max_
         else:
             accept[m, 1:] = [target_probs[L + m + j - 2, d].item() for j, d in enumerate(drafts, 1)]
     return accept
+
+
+def matched_lengths(ref: Reference, max_ngram: int = 3) -> list[int]:
+    """At each step m = 0 .. end along a reference: the length of the final n-gram (at most max_ngram) of the text
+    so far that occurred earlier in it (serve.proposers.lookup_match; 0 at m = 0, where no step starts)."""
+    return [0] + [lookup_match(ref.sequence[: len(ref.prompt) + m], 1, max_ngram, 1)[1] for m in range(1, ref.end + 1)]
+
+
+def lookup_first(draft: list[np.ndarray], lookup: list[np.ndarray], refs: list[Reference], min_match: int = 3) -> list[np.ndarray]:
+    """accept[m, j] of the draft with prompt lookup first (serve.proposers.LookupFirst) along each reference, from
+    the draft's and the lookup's: at each step the lookup's where the text so far ends in `min_match` tokens that
+    occurred earlier in it, the draft's elsewhere (the engine chooses so per row, at any batch size)."""
+    return [np.where((np.asarray(matched_lengths(ref)) >= min_match)[:, None], found, d) for d, found, ref in zip(draft, lookup, refs)]
 
 
 # -- the engine, as the cross-check and the speed measurement ------------------------------------------

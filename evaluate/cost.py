@@ -68,6 +68,7 @@ def choose_k(speedups: dict[int, float], source: str = "predicted") -> tuple[int
 
 
 PROMPT_LOOKUP, INITIAL = "prompt_lookup", "initial"  # the evaluate stage's names for these proposers
+LOOKUP_FIRST = "lookup_first"  # the shipped draft with prompt lookup first (draftsmith serve --lookup-first)
 ALTERNATIVES = (PROMPT_LOOKUP, INITIAL)  # what could ship instead of the trained draft
 
 

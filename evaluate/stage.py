@@ -22,7 +22,7 @@ import torch
 from draftsmith.distill.data import load_prompts
 from draftsmith.evaluate import cost
 from draftsmith.evaluate import report as reports
-from draftsmith.evaluate.acceptance import Computed, Measurement, acceptance, computed_rows, measure, references
+from draftsmith.evaluate.acceptance import Computed, Measurement, acceptance, computed_rows, lookup_first, measure, references
 from draftsmith.evaluate.report import EvalReport, Speed, read_report
 from draftsmith.pipeline.config import DraftsmithConfig, EvaluateConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
@@ -37,6 +37,7 @@ from draftsmith.serve.transformers_model import load_any
 EVAL_PROMPTS = "eval_prompts.json"  # the held-out prompts' token ids, shipped in the bundle
 GATE_KEYS = ("evaluate.min_alpha", "evaluate.alpha_gate", "evaluate.max_tau_loss", "evaluate.min_speedup")  # judged after the stage
 log = logging.getLogger("draftsmith")
+LOOKUP_FIRST_MATCH = 3  # the tokens a row's text must end in, earlier in it, for its lookup row (serve's default to suggest)
 
 
 class GateFailed(RuntimeError):
@@ -155,15 +156,21 @@ def held_out_prompts(e: EvaluateConfig, data: StageOutput) -> list[list[int]]:
     return prompts
 
 
-def computed_acceptance(ev: Evaluation, plain: Engine, drafts: dict[str, Any], temperatures: list[float], progress, task) -> list[Computed]:
+def computed_acceptance(
+    ev: Evaluation, plain: Engine, drafts: dict[str, Any], shipped: str, temperatures: list[float], progress, task
+) -> list[Computed]:
     """Every proposer's acceptance at every K and temperature, from the target's continuations (plain
-    decoding) and one teacher-forced pass each."""
+    decoding) and one teacher-forced pass each; and the shipped draft's with prompt lookup first, from its and
+    the lookup's (no step costs: its speed depends on the batch, `bench decode --lookup` measures it)."""
     k_max, rows = ev.e.max_speculative_tokens, []
     for t in temperatures:
         progress.update(task, description=f"the target's continuations and every proposer's acceptance, T={t:g}")
         refs = references(plain, ev.prompts, ev.params(t), k_max)
-        for name, accepts in acceptance(ev.target, drafts, refs, ev.params(t), k_max, ev.e.batch_size).items():
-            rows += computed_rows(name, t, accepts, refs, k_max)
+        accepts = acceptance(ev.target, drafts, refs, ev.params(t), k_max, ev.e.batch_size)
+        for name, accept in accepts.items():
+            rows += computed_rows(name, t, accept, refs, k_max)
+        mixed = lookup_first(accepts[shipped], accepts[cost.PROMPT_LOOKUP], refs, LOOKUP_FIRST_MATCH)
+        rows += computed_rows(cost.LOOKUP_FIRST, t, mixed, refs, k_max)
         progress.advance(task)
     return rows
 
@@ -286,7 +293,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     with Progress() as progress:
         task = progress.add_task("evaluate", total=len(temperatures) + len(names) + 2)
         plain = ev.engine()
-        rows = computed_acceptance(ev, plain, drafts, temperatures, progress, task)
+        rows = computed_acceptance(ev, plain, drafts, shipped, temperatures, progress, task)
         step_ms, shipped_engine = step_costs(ev, drafts, shipped, progress, task)
         tau = lambda name: {r.k: r.tau for r in rows if r.proposer == name and r.temperature == 0.0}
         predicted = {name: cost.predicted_speedups(tau(name), step_ms[name]) for name in names}
@@ -329,8 +336,14 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         kind=draft_kind(inputs["distill"]),
         # where each came from, relative to the run root: the report travels in the bundle
         proposers={
-            name: str(dirs[name].relative_to(inputs["distill"].path.parents[1])) if name in dirs else "n-gram lookup in the sequence so far"
-            for name in names
+            **{
+                name: str(dirs[name].relative_to(inputs["distill"].path.parents[1]))
+                if name in dirs
+                else "n-gram lookup in the sequence so far"
+                for name in names
+            },
+            cost.LOOKUP_FIRST: f"{shipped}, with prompt lookup first where the last {LOOKUP_FIRST_MATCH} tokens occurred earlier "
+            f"(draftsmith serve --lookup-first {LOOKUP_FIRST_MATCH})",
         },
         draft_vocab_size=len(vocab) if vocab else None,
         acceptance=rows,

@@ -230,7 +230,8 @@ def test_eval_json_covers_every_proposer_k_and_temperature(evaluated):
     out = only_output(tmp / "runs", "evaluate")
     report = json.loads((out / "eval.json").read_text())
     assert report["shipped"] == "w4a16"
-    assert set(report["proposers"]) == {"w4a16", "bf16", "initial", "prompt_lookup"}
+    assert set(report["proposers"]) == {"w4a16", "bf16", "initial", "prompt_lookup", "lookup_first"}
+    assert "--lookup-first 3" in report["proposers"]["lookup_first"] and "| lookup_first |" in (out / "eval.md").read_text()
     for name in report["proposers"]:
         for t in (0.0, 0.7):
             ks = sorted(r["k"] for r in report["acceptance"] if r["proposer"] == name and r["temperature"] == t)
@@ -391,6 +392,35 @@ def test_computed_acceptance_is_the_engines_at_t0(tiny_models, small_head, kind)
         assert (measured.num_drafts, measured.num_accepted_tokens) == (row.steps, row.accepted), row.k
         assert measured.accepted_per_position == row.by_position, row.k
     assert rows[-1].accepted > 10  # acceptance paths ran
+
+
+@pytest.mark.parametrize("min_match", [1, 3])
+def test_computed_lookup_first_acceptance_is_the_engines_at_t0(tiny_models, min_match):
+    """The shipped draft with prompt lookup first, computed from the draft's and the lookup's passes (eval.md's
+    lookup_first row), equals the engine's counters with LookupFirst, at batch 8 (the choice is per row)."""
+    import torch
+
+    from draftsmith.evaluate.acceptance import acceptance, computed_rows, lookup_first, measure, references
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.proposers import LookupFirst
+    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.weights import load_model
+    from tests.test_speculative import random_prompts
+
+    target_dir, draft_dir = tiny_models["qwen2"]  # repeating prompts and random ones: both proposers draft, and differ
+    target, draft = load_model(target_dir, torch.float64), load_model(draft_dir, torch.float64)
+    prompts = [[i % 4 + j for i in range(10)] for j in range(8)] + random_prompts(8, 97, seed=5)
+    params, k_max = SamplingParams(max_new_tokens=20), 6
+    refs = references(Engine(target, max_batch_size=8, max_seq_len=64), prompts, params, k_max)
+    accepts = acceptance(target, {"draft": draft, "lookup": None}, refs, params, k_max, 8)
+    mixed = lookup_first(accepts["draft"], accepts["lookup"], refs, min_match)
+    engine = Engine(target, draft, max_batch_size=8, max_seq_len=64)
+    for row in computed_rows("lookup_first", 0.0, mixed, refs, k_max):
+        measured = measure(engine, "lookup_first", prompts, params, row.k, LookupFirst(engine.draft_proposer, 97, min_match)).stats
+        assert (measured.num_drafts, measured.num_accepted_tokens) == (row.steps, row.accepted), row.k
+        assert measured.accepted_per_position == row.by_position, row.k
+    alone = computed_rows("draft", 0.0, accepts["draft"], refs, k_max)
+    assert [r.accepted for r in alone] != [r.accepted for r in computed_rows("lookup_first", 0.0, mixed, refs, k_max)]
 
 
 def test_computed_acceptance_at_t1_is_the_engines_expectation(tiny_models):
