@@ -272,6 +272,17 @@ def k_by_batch_size(ev: Evaluation, draft, tau: dict[int, float], measured: dict
     return {"batch_sizes": sizes, "step_ms": step_ms, "predicted_speedup": predicted, "best_k": best, "schedule": schedule}
 
 
+def proposer_sources(dirs: dict[str, Path], names: list[str], root: Path) -> dict[str, str]:
+    """Where each proposer of the report came from (a draft's dir relative to the run root: the report travels in
+    the bundle); the first of `dirs` is the shipped draft."""
+    shipped = next(iter(dirs))
+    return {
+        **{name: str(dirs[name].relative_to(root)) if name in dirs else "n-gram lookup in the sequence so far" for name in names},
+        cost.LOOKUP_FIRST: f"{shipped}, with prompt lookup first where the last {LOOKUP_FIRST_MATCH} tokens occurred earlier "
+        f"(draftsmith serve --lookup-first {LOOKUP_FIRST_MATCH})",
+    }
+
+
 def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> dict[str, Any]:
     from rich.progress import Progress
 
@@ -334,17 +345,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         max_speculative_tokens=e.max_speculative_tokens,
         shipped=shipped,
         kind=draft_kind(inputs["distill"]),
-        # where each came from, relative to the run root: the report travels in the bundle
-        proposers={
-            **{
-                name: str(dirs[name].relative_to(inputs["distill"].path.parents[1]))
-                if name in dirs
-                else "n-gram lookup in the sequence so far"
-                for name in names
-            },
-            cost.LOOKUP_FIRST: f"{shipped}, with prompt lookup first where the last {LOOKUP_FIRST_MATCH} tokens occurred earlier "
-            f"(draftsmith serve --lookup-first {LOOKUP_FIRST_MATCH})",
-        },
+        proposers=proposer_sources(dirs, names, inputs["distill"].path.parents[1]),
         draft_vocab_size=len(vocab) if vocab else None,
         acceptance=rows,
         engine=[plain_run, shipped_run],
