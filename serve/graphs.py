@@ -2,9 +2,10 @@
 
 At this model size launch overhead, not memory bandwidth, bounds a decode step; replaying a graph
 launches all its kernels at once. `GraphedForward` captures one model forward per (batch, tokens)
-shape. `GraphedSteps` captures a whole greedy step per (batch, K): the draft's K proposals, the
-target's forward over K+1 tokens, acceptance, an EAGLE-3 head's catch-up and the state's advance, with
-no gap between kernels and no Python in between; the one sync left is reading the step's tokens. On CPU (or with graphs off)
+shape. `GraphedSteps` captures a whole greedy step per (batch, K): the draft's K proposals (or prompt
+lookup's, found on the host and copied in), the target's forward over K+1 tokens, acceptance, an EAGLE-3
+head's catch-up and the state's advance, with no gap between kernels and no Python in between; the one
+sync left is reading the step's tokens. On CPU (or with graphs off)
 the same calls run eagerly. `GraphedPrefill` replays the target's prompt forward (prefill) per (batch,
 length) bucket.
 """
