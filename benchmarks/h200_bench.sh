@@ -36,7 +36,8 @@
 #   bash benchmarks/h200_bench.sh put          keeps the carried .gpu/qwen_coder/ pieces in $ROOT/qwen_coder (a call each)
 #   bash benchmarks/h200_bench.sh bg MODE [ARGS]   MODE in the background (LIMIT 3000), its results in $ROOT/out;
 #   bash benchmarks/h200_bench.sh wait [SECS]  then calls of this, back to back, until it says "finished" (e.g.
-#                                            `bg qwen_coder distill.max_steps=300`, ~25 min on an H100, after 27 puts)
+#                                            `bg qwen_coder distill.max_steps=300 evaluate.num_prompts=64`: 17 min on an H100
+#                                            on 2026-12-05 with two jobs stopped in quantize, ~23 min whole; after 27 puts)
 # Settings (environment, with defaults): ROOT (/root/draftsmith-gpu), where runs and the target cache persist while
 # the machine stays up; OUT ($OUT, else /tmp/out), where results go; PORT (8011), the server's. LIMIT (seconds, 570)
 # bounds each pipeline run, so that what finished is still copied out; a rerun resumes the rest (the gpu
@@ -303,7 +304,7 @@ PY
 )
   [ -n "$drafts" ] || { echo "qwen_coder: the sweep has not finished (or every job failed); run again to resume"; exit 0; }
   # PROMPTS (8): held-out prompts at batch 1. On the first 8, prompt lookup's tau at K = 5 was 3.43 against 2.51
-  # on the evaluate stage's 128; 16 tell more but add ~2 minutes to a run that takes ~26 of a session's 30
+  # on the evaluate stage's 128; 16 tell more but add ~2 minutes to a run that takes ~23 of a session's 30
   "${cli[@]}" bench decode --device cuda --target "$assets"/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --data "$assets"/code_prompts.jsonl \
     --eval-fraction 0.2 --prompts "${PROMPTS:-8}" --new-tokens 128 --batch 16 --k 3 --k 5 --repeats 3 $drafts --lookup --cache-dir $root/cache \
     --out "$out/bench_decode_qwen_coder.json" 2>&1 | tail -30
