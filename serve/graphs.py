@@ -153,7 +153,7 @@ class GraphedSteps:
         if drafted != "draft":
             tokens = torch.zeros(batch, k, dtype=torch.long, device=weight.device)
             use = torch.zeros(batch, dtype=torch.bool, device=weight.device) if drafted == "mixed" else None
-            proposer = GivenDrafts(proposer, tokens, use)
+            proposer = GivenDrafts(proposer, tokens, use, self.target.args.vocab_size)
         graph, out = record_graph(lambda: decode_step(target, proposer, state, active, k, rows, None), self.pool)
         self.graphs[(batch, k, drafted)] = (graph, state, active, proposer, out)
         return self.graphs[(batch, k, drafted)]

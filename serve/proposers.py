@@ -188,6 +188,12 @@ def lookup_match(history: Sequence[int], k: int, max_ngram: int, min_ngram: int)
     return [int(h[-1])] * k, 0
 
 
+def one_hot_q(tokens: Tensor, rows: RowSampling, vocab_size: int) -> Tensor | None:
+    """The q of deterministic proposals [B, K] (prompt lookup's): a draw from a one-hot q is kept with probability
+    p(token). None when greedy."""
+    return None if rows.all_greedy else torch.nn.functional.one_hot(tokens, vocab_size).float()  # [B, K, V]
+
+
 class PromptLookup:
     reads_history = True
 
@@ -198,15 +204,11 @@ class PromptLookup:
         self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
     ) -> tuple[Tensor, Tensor | None]:
         tokens = torch.tensor(self.plan(histories, k)[0], device=state.lengths.device)  # [B, K]
-        return tokens, self.distributions(tokens, rows)
+        return tokens, one_hot_q(tokens, rows, self.vocab_size)
 
     def plan(self, histories: Sequence[Sequence[int]], k: int) -> tuple[list[list[int]], None]:
         """Each row's K drafts, found on the host, and which rows take them (None: all)."""
         return [lookup(h, k, self.max_ngram, self.min_ngram) for h in histories], None
-
-    def distributions(self, tokens: Tensor, rows: RowSampling) -> Tensor | None:
-        """A deterministic proposal is a draw from a one-hot q: kept with probability p(token). None when greedy."""
-        return None if rows.all_greedy else torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, K, V]
 
     def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> None:
         return None
@@ -219,76 +221,66 @@ class LookupFirst:
     """Prompt lookup where a row's text already holds its final `min_match` tokens (code that repeats its
     prompt, say), the draft (a draft model or an EAGLE-3 head) for the other rows; in a step where every row
     has such a match the draft does not run at all. Which proposer drafts a row is decided from its text
-    alone, so verification stays exact. The draft's state follows every step either way: an EAGLE-3 head
-    reads the target's hidden states as after any step, and a draft model reads the tokens the target read
-    wherever it did not draft them itself."""
+    alone, so verification stays exact. Each step's drafts go through GivenDrafts, as in a step's CUDA graph
+    (Engine.step), and the draft's state follows every step either way."""
 
     reads_history = True
 
     def __init__(self, draft: "DraftModel | EagleProposer", vocab_size: int, min_match: int = 3, max_ngram: int = 3):
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"min_match must be 1..max_ngram ({max_ngram}), got {min_match}")
-        self.draft, self.lookup = draft, PromptLookup(vocab_size, max_ngram, min_ngram=1)
-        self.min_match = min_match
-        self._drafted_all = True  # whether the last proposal was all the draft's own
+        self.draft, self.vocab_size, self.max_ngram, self.min_match = draft, vocab_size, max_ngram, min_match
+        self._step: "DraftModel | EagleProposer | GivenDrafts" = draft  # what proposed the last step's drafts
 
     def plan(self, histories: Sequence[Sequence[int]], k: int) -> tuple[list[list[int]], list[bool]]:
         """Each row's K lookup drafts, and which rows take them (their final `min_match` tokens repeat)."""
-        found = [lookup_match(h, k, self.lookup.max_ngram, 1) for h in histories]
+        found = [lookup_match(h, k, self.max_ngram, 1) for h in histories]
         return [tokens for tokens, _ in found], [n >= self.min_match for _, n in found]
 
     def propose(
         self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
     ) -> tuple[Tensor, Tensor | None]:
-        looked, take = self.plan(histories, k)
-        device = state.lengths.device
-        looked = torch.tensor(looked, device=device)  # [B, K]
-        self._drafted_all = not any(take)
-        if all(take):
-            return looked, self.lookup.distributions(looked, rows)
-        tokens, q = self.draft.propose(state, k, rows, generator, histories)
-        if self._drafted_all:
-            return tokens, q
-        use = torch.tensor(take, device=device)
-        tokens = torch.where(use.unsqueeze(1), looked, tokens)
-        if q is not None:
-            q = torch.where(use.view(-1, 1, 1), self.lookup.distributions(looked, rows), q)
-        return tokens, q
+        drafts, use = self.plan(histories, k)
+        self._step = self.draft
+        if any(use):
+            device = state.lengths.device
+            mixed = None if all(use) else torch.tensor(use, device=device)
+            self._step = GivenDrafts(self.draft, torch.tensor(drafts, device=device), mixed, self.vocab_size)
+        return self._step.propose(state, k, rows, generator, histories)
 
     def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> Tensor | None:
         return self.draft.prefill(tokens, positions, lengths, first, target_hidden, cache_rows)
 
     def follow(self, state: DecodeState, out: StepOutput) -> Tensor | None:
-        drafted_all, self._drafted_all = self._drafted_all, True
-        return follow_drafts(self.draft, state, out, drafted_all)
-
-
-def follow_drafts(draft: "DraftModel | EagleProposer", state: DecodeState, out: StepOutput, drafted_all: bool) -> Tensor | None:
-    """The draft's `follow` after a step whose drafts may not all have been its own: a draft model first reads
-    the tokens the target read where it did not draft them (an EAGLE-3 head reads the target's states anyway)."""
-    if not drafted_all and isinstance(draft, DraftModel):
-        draft.read(state, out)
-    return draft.follow(state, out)
+        step, self._step = self._step, self.draft
+        return step.follow(state, out)
 
 
 class GivenDrafts:
-    """Drafts found on the host (prompt lookup's, `plan` above), written into `tokens` [B, K] before each step:
-    what a CUDA graph of the step reads, so greedy only. Rows that `use` [B] marks take them, the others the
-    draft's (use None: every row takes them, and the draft does not run); the draft (None: none) follows every
-    step as under LookupFirst. (It proposes within steps only: the engine's draft reads the prompts.)"""
+    """Drafts found on the host (prompt lookup's, `plan` above) in `tokens` [B, K], which a CUDA graph of the step
+    reads (written in before each replay). Rows that `use` [B] marks take them, the others the draft's (use None:
+    every row takes them, and the draft does not run). The draft (None: none) follows every step: an EAGLE-3 head
+    reads the target's hidden states as after any step, and a draft model first reads the tokens the target read,
+    which it did not all draft itself. (It proposes within steps only: the engine's draft reads the prompts.)"""
 
     reads_history = False
 
-    def __init__(self, draft: "DraftModel | EagleProposer | None", tokens: Tensor, use: Tensor | None):
-        self.draft, self.tokens, self.use = draft, tokens, use
+    def __init__(self, draft: "DraftModel | EagleProposer | None", tokens: Tensor, use: Tensor | None, vocab_size: int):
+        self.draft, self.tokens, self.use, self.vocab_size = draft, tokens, use, vocab_size
 
     def propose(
         self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
-    ) -> tuple[Tensor, None]:
+    ) -> tuple[Tensor, Tensor | None]:
+        given_q = one_hot_q(self.tokens, rows, self.vocab_size)
         if self.use is None:
-            return self.tokens, None
-        drafted, _ = self.draft.propose(state, k, rows, generator, histories)
-        return torch.where(self.use.unsqueeze(1), self.tokens, drafted), None
+            return self.tokens, given_q
+        drafted, q = self.draft.propose(state, k, rows, generator, histories)
+        tokens = torch.where(self.use.unsqueeze(1), self.tokens, drafted)
+        return tokens, (None if q is None else torch.where(self.use.view(-1, 1, 1), given_q, q))
 
     def follow(self, state: DecodeState, out: StepOutput) -> Tensor | None:
-        return None if self.draft is None else follow_drafts(self.draft, state, out, drafted_all=False)
+        if self.draft is None:
+            return None
+        if isinstance(self.draft, DraftModel):
+            self.draft.read(state, out)
+        return self.draft.follow(state, out)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftsmith.serve.engine import Engine, EngineError
-from draftsmith.serve.proposers import GivenDrafts, LookupFirst, PromptLookup, lookup, lookup_match
+from draftsmith.serve.proposers import LookupFirst, PromptLookup, lookup, lookup_match
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
 from tests.conftest import FAMILIES, save_tiny_head
@@ -131,27 +131,20 @@ def test_greedy_prompt_lookup_equals_target_greedy(tiny_models):
 
 
 class Recorded(LookupFirst):
-    """LookupFirst noting, per step, which rows took the lookup's drafts and how many drafts each row kept.
-    given: each step's drafts go through GivenDrafts, as a step's CUDA graph takes them (Engine.step)."""
+    """LookupFirst noting, per step, which rows took the lookup's drafts and how many drafts each row kept."""
 
-    def __init__(self, *args, given: bool = False, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.given, self.step_proposer = given, None
         self.steps: list[tuple[list[bool], list[int]]] = []
 
     def propose(self, state, k, rows, generator, histories=()):
-        drafts, use = self.plan(histories, k)
-        self.steps.append((use, []))
-        if not self.given:
-            return super().propose(state, k, rows, generator, histories)
-        given = GivenDrafts(self.draft, torch.tensor(drafts), None if all(use) else torch.tensor(use))
-        self.step_proposer = given if any(use) else self.draft  # no row taking the lookup's: the draft's own step
-        return self.step_proposer.propose(state, k, rows, generator, histories)
+        self.steps.append((self.plan(histories, k)[1], []))
+        return super().propose(state, k, rows, generator, histories)
 
     def follow(self, state, out):
         if out.tokens.shape[1] > 1:
             self.steps[-1][1].extend(out.num_accepted.tolist())
-        return self.step_proposer.follow(state, out) if self.given else super().follow(state, out)
+        return super().follow(state, out)
 
 
 def test_lookup_first_says_how_long_a_match_it_found():
@@ -162,11 +155,10 @@ def test_lookup_first_says_how_long_a_match_it_found():
         LookupFirst(None, 97, min_match=4, max_ngram=3)
 
 
-@pytest.mark.parametrize("given", [False, True], ids=["proposed", "given"])
 @pytest.mark.parametrize("kind", ["draft model", "eagle3"])
-def test_greedy_lookup_first_equals_target_greedy(tiny_models, kind, given, tmp_path):
+def test_greedy_lookup_first_equals_target_greedy(tiny_models, kind, tmp_path):
     """Rows that repeat themselves take the lookup's drafts, the others the draft's; some steps have no draft
-    forward at all. Output is the target's, also where the drafts are given as a step's graph takes them."""
+    forward at all. Output is the target's."""
     target_dir, draft_dir = tiny_models["gemma2"]  # whose greedy text soon falls into loops: long matches
     target = load_model(target_dir, torch.float64)
     if kind == "eagle3":
@@ -181,7 +173,7 @@ def test_greedy_lookup_first_equals_target_greedy(tiny_models, kind, given, tmp_
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     expected = [c.tokens for i in (0, 4) for c in engine.generate(prompts[i : i + 4], params).completions]
     for k, batch in ((1, 4), (3, 4), (5, 4), (3, 1)):
-        proposer = Recorded(engine.draft_proposer, 97, min_match=3, given=given)
+        proposer = Recorded(engine.draft_proposer, 97, min_match=3)
         runs = [engine.generate(prompts[i : i + batch], params, k, proposer=proposer) for i in range(0, len(prompts), batch)]
         assert [c.tokens for run in runs for c in run.completions] == expected, f"K={k}, batch {batch}"
         took = [t for step, _ in proposer.steps for t in step]
@@ -189,15 +181,14 @@ def test_greedy_lookup_first_equals_target_greedy(tiny_models, kind, given, tmp_
         assert any(all(step) for step, _ in proposer.steps), f"K={k}: some step needed no draft forward"
 
 
-@pytest.mark.parametrize("given", [False, True], ids=["proposed", "given"])
 @pytest.mark.parametrize("k", [3, 5])
-def test_a_draft_model_reads_what_the_lookup_drafted(tiny_models, k, given):
+def test_a_draft_model_reads_what_the_lookup_drafted(tiny_models, k):
     """With the target as its own draft model, a row the draft model drafts keeps all K drafts, also after
     steps whose drafts came from the lookup: its cache holds every token the target read."""
     target_dir, _ = tiny_models["qwen2"]
     engine = Engine(load_model(target_dir, torch.float64), load_model(target_dir, torch.float64), max_batch_size=4, max_seq_len=96)
     prompts = [[i % 4 + j for i in range(12)] for j in range(2)] + random_prompts(2, 97, seed=3)
-    proposer = Recorded(engine.draft_proposer, 97, min_match=1, given=given)
+    proposer = Recorded(engine.draft_proposer, 97, min_match=1)
     engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), k, proposer=proposer)
     after_lookup, looked = [], [False] * len(prompts)
     for step, kept in proposer.steps:
