@@ -39,8 +39,9 @@ HEAD_VARIANTS = {  # --head: an EAGLE-3 head (preset=eagle3_sweep's: one layer, 
     "head, whole loss": {"loss_chunk_size": 0, "target_states_gib": 32.0},
     "head, chunked, compiled": {"loss_chunk_size": 4096, "compile": True, "target_states_gib": 32.0},
     "head, whole loss, compiled": {"loss_chunk_size": 0, "compile": True, "target_states_gib": 32.0},
-    "head, flex, compiled": {"loss_chunk_size": 4096, "compile": True, "target_states_gib": 32.0},  # draft.ttt_attention=flex
 }
+WHOLE = "head, every step at every entry, compiled"  # the unroll before its later steps ran at the window only
+HEAD_VARIANTS[WHOLE] = HEAD_VARIANTS["head, chunked, compiled"]
 HEAD_STEPS, HEAD_VOCAB = 7, 8192
 
 
@@ -57,7 +58,7 @@ def synthetic_rows(n: int, vocab: int, seed: int) -> list[dict]:
 
 
 def one_run(
-    cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool, flex: bool = False
+    cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool, whole: bool = False
 ) -> tuple[float, float]:
     """(training tokens/s over the timed steps, peak GPU memory in GiB) of a fresh draft and a freshly
     loaded target (distill.compile compiles the target's layers in place); draft_dir None: an EAGLE-3 head."""
@@ -73,7 +74,7 @@ def one_run(
         aux = eagle.resolve_aux_layers([], target.config.num_hidden_layers)
         head, layer_config = eagle.build_head(target_dir, 1, aux, list(range(HEAD_VOCAB)), seed=0)
         objective = eagle.EagleObjective(cfg, aux, list(range(HEAD_VOCAB)), layer_config, {})
-        draft = eagle.UnrolledHead(head, target.get_input_embeddings(), HEAD_STEPS, 0.8, chunk=cfg.loss_chunk_size, flex=flex)
+        draft = eagle.UnrolledHead(head, target.get_input_embeddings(), HEAD_STEPS, 0.8, chunk=cfg.loss_chunk_size, windowed=not whole)
     else:
         draft, objective = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), DraftObjective(cfg, online=True)
     distiller = Distiller(
@@ -95,14 +96,14 @@ def one_run(
     return statistics.harmonic_mean(timed), 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 
-def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], work: Path, cpu: bool, flex: bool = False) -> str:
+def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], work: Path, cpu: bool, whole: bool = False) -> str:
     """The heaviest operations of a run of `cfg` by GPU time, the trainer's own phases (target forward,
     draft forward, chunked loss, backward) among them."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu, flex)
+        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu, whole)
     return prof.key_averages().table(sort_by="cuda_time_total" if not cpu else "cpu_time_total", row_limit=25, max_name_column_width=60)
 
 
@@ -143,7 +144,7 @@ def main() -> None:
                 started = time.time()
                 try:
                     work = Path(tmp) / f"work{round_}{name}"
-                    rate, memory[name] = one_run(cfg, target_dir, draft_dir, rows, args.warmup, work, cpu, "flex" in name)
+                    rate, memory[name] = one_run(cfg, target_dir, draft_dir, rows, args.warmup, work, cpu, name == WHOLE)
                 except Exception as error:  # a variant that fails here is reported, the others still run
                     print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
                     continue
@@ -151,7 +152,7 @@ def main() -> None:
                 print(f"round {round_ + 1} {name}: {rate:,.0f} tokens/s ({time.time() - started:.0f} s)", flush=True)
         if args.profile:
             print(
-                profile(replace(base, **variants[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu, "flex" in names[-1])
+                profile(replace(base, **variants[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu, names[-1] == WHOLE)
             )
     baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
     print(

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.distill import losses
-from draftsmith.serve.eagle import EagleHead, HeadShape, default_aux_layers, layer_config_of, ttt_block_mask
+from draftsmith.serve.eagle import EagleHead, HeadShape, default_aux_layers, layer_config_of
 from draftsmith.serve.model import ModelArgs
 from draftsmith.serve.proposers import VOCAB_FILE
 from draftsmith.serve.weights import read_config
@@ -102,37 +102,47 @@ class UnrollIndex:
     """Where a batch's response positions sit in each step of training-time test, as index tensors made on the
     host from the rows' lengths, so that gathering by them never waits on the device (a boolean mask would:
     its count is only known there). Step j's entry t stands for position t + j + 1 and predicts the token
-    after it, so the batch's response positions s give step j's entries t = s - j - 1 (those with s > j)."""
+    after it, so the batch's response positions s give step j's entries t = s - j - 1 (those with s > j).
+    The steps after the first run only at each row's window of entries that some such step reads (from
+    `steps` before its first response position to its last), not at its prompt or padding."""
 
-    entries: tuple[Tensor, ...]  # step j: flat indices into the unrolled states [B * E] of its entries, in `labels` order
+    entries: tuple[Tensor, ...]  # step j: flat indices into [B * E] of its entries, in `labels` order
     picks: tuple[Tensor | None, ...]  # step j: which of the batch's N response positions those are (None: all N)
+    window: Tensor  # [B, W]: each row's window of entries (past a row's own, repeats of its last)
+    at: tuple[Tensor, ...]  # step j: its entries' flat indices into its hidden states ([B * E] at step 0, [B * W] after)
 
     @classmethod
     def of(cls, batch, steps: int) -> "UnrollIndex":
         from draftsmith.serve.sampling import to_device
 
         E = batch.input_ids.shape[1] - 1
-        starts = [len(row["prompt_ids"]) - 1 for row in batch.sources]  # a row's first response position
+        starts = np.array([len(row["prompt_ids"]) - 1 for row in batch.sources])  # a row's first response position
         rows = np.repeat(np.arange(len(starts)), batch.counts)
         s = np.concatenate([np.arange(start, start + n) for start, n in zip(starts, batch.counts)])
-        entries, picks = [], []
+        low = np.maximum(starts - steps, 0)  # a row's first entry that a step after the first reads
+        width = max(1, int((starts + np.array(batch.counts) - 1 - low).max()))
+        window = np.minimum(low[:, None] + np.arange(width), E - 1)
         device = batch.input_ids.device
+        entries, picks, at = [], [], []
         for j in range(steps):
             keep = s > j
-            entries.append(to_device(torch.from_numpy(rows[keep] * E + s[keep] - j - 1), device))
+            r, t = rows[keep], s[keep] - j - 1
+            entries.append(to_device(torch.from_numpy(r * E + t), device))
+            at.append(entries[-1] if j == 0 else to_device(torch.from_numpy(r * width + t - low[r]), device))
             picks.append(None if keep.all() else to_device(torch.from_numpy(np.flatnonzero(keep)), device))
-        return cls(tuple(entries), tuple(picks))
+        return cls(tuple(entries), tuple(picks), to_device(torch.from_numpy(window), device), tuple(at))
 
 
 class UnrolledHead(nn.Module):
     """The head unrolled for training: forward returns the loss and, when asked, per-step metrics (a module of
     its own so that data-parallel training sees one forward). The token embedding is the target's, frozen.
     The unroll itself (every step's layers and final norm) is one function that distill.compile compiles;
-    the loss over the draft vocabulary runs chunk by chunk after it (distill.loss_chunk_size)."""
+    the loss over the draft vocabulary runs chunk by chunk after it (distill.loss_chunk_size). windowed=False runs
+    every step at every entry (the same loss and gradient, more work: the unroll's definition, for comparison)."""
 
-    def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float, chunk: int = 0, flex: bool = False):
+    def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float, chunk: int = 0, windowed: bool = True):
         super().__init__()
-        self.head, self.steps, self.decay, self.chunk, self.flex = head, steps, decay, chunk, flex
+        self.head, self.steps, self.decay, self.chunk, self.windowed = head, steps, decay, chunk, windowed
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
         self.__dict__["states"] = self._states  # distill.compile: compile_training replaces it
 
@@ -140,12 +150,12 @@ class UnrolledHead(nn.Module):
         """torch.compile the unroll whole (dynamic shapes: rows differ in length batch to batch)."""
         self.__dict__["states"] = torch.compile(self._states, dynamic=True)
 
-    def _states(self, tokens: Tensor, features: Tensor, entries: tuple[Tensor, ...], masks: list | None) -> list[Tensor]:
-        """Step j's normalised hidden states at its entries `entries[j]` [N_j, hidden] (what the LM head reads)."""
+    def _states(self, tokens: Tensor, features: Tensor, window: Tensor | None, at: tuple[Tensor, ...]) -> list[Tensor]:
+        """Step j's normalised hidden states at its entries `at[j]` [N_j, hidden] (what the LM head reads)."""
         head = self.head
         return [
-            head.norm(hidden.flatten(0, 1).index_select(0, at))
-            for at, hidden in zip(entries, head.unroll(tokens, features, self.embeddings, self.steps, masks))
+            head.norm(hidden.flatten(0, 1).index_select(0, where))
+            for where, hidden in zip(at, head.unroll(tokens, features, self.embeddings, self.steps, window))
         ]
 
     def forward(
@@ -159,8 +169,8 @@ class UnrolledHead(nn.Module):
         loss = weight.new_zeros((), dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
         correct = None  # [B * E]: every step so far agreed
-        masks = [ttt_block_mask(tokens.shape[1] - 1, j, tokens.device) for j in range(self.steps)] if self.flex else None
-        for j, hidden in enumerate(self.states(tokens, features, index.entries, masks)):
+        window, at = (index.window, index.at) if self.windowed else (None, index.entries)
+        for j, hidden in enumerate(self.states(tokens, features, window, at)):
             p = target_logits if index.picks[j] is None else target_logits.index_select(0, index.picks[j])
             q = None
             if self.chunk > 0 and torch.is_grad_enabled():  # training: the logits never whole
@@ -235,8 +245,14 @@ class EagleObjective:
         self.kept.keep(rows)
 
     def loss(self, student, target, batch) -> Tensor:
-        features, logits = self.target_outputs(target, batch)
-        loss, _ = student(batch.input_ids, features, logits, UnrollIndex.of(batch, getattr(student, "module", student).steps), self.loss_fn)
+        from torch.profiler import record_function
+
+        with record_function("target forward"):  # names in benchmarks/profile_train.py --profile
+            features, logits = self.target_outputs(target, batch)
+        with record_function("draft forward"):
+            loss, _ = student(
+                batch.input_ids, features, logits, UnrollIndex.of(batch, getattr(student, "module", student).steps), self.loss_fn
+            )
         return loss
 
     @torch.no_grad()

@@ -126,11 +126,8 @@ def eagle_student(cfg: DraftsmithConfig, target, reference: dict, vocab: list[in
     head, layer_config = eagle.build_head(Path(reference["path"]), cfg.draft.num_layers, aux, vocab, cfg.seed)
     verifier = {"name_or_path": reference["name_or_path"], "architectures": [reference["architecture"]]}
     objective = eagle.EagleObjective(cfg.distill, aux, vocab, layer_config, verifier)
-    flex = cfg.draft.ttt_attention.value == "flex"
-    if flex and pick_device(cfg.device.value) == "cpu":
-        raise eagle.EagleConfigError("draft.ttt_attention=flex: flex attention has no backward on a CPU; use sdpa there")
     student = eagle.UnrolledHead(
-        head, target.get_input_embeddings(), cfg.draft.ttt_steps, cfg.draft.ttt_decay, chunk=cfg.distill.loss_chunk_size, flex=flex
+        head, target.get_input_embeddings(), cfg.draft.ttt_steps, cfg.draft.ttt_decay, chunk=cfg.distill.loss_chunk_size
     )
     if main and not (initial / "config.json").is_file():
         objective.save(student, initial)

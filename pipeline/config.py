@@ -58,11 +58,6 @@ class DraftInit(str, enum.Enum):
     pretrained = "pretrained"
 
 
-class TttAttention(str, enum.Enum):
-    sdpa = "sdpa"  # training-time test's attention over every earlier step's keys with a boolean mask
-    flex = "flex"  # flex attention with a block mask: only the blocks the mask leaves (a GPU; pays compiled)
-
-
 class LayerChoice(str, enum.Enum):
     spread = "spread"  # evenly over the target, its first and last layers included
     first = "first"
@@ -112,7 +107,6 @@ class DraftConfig:
     aux_layers: list[int] = field(default_factory=list)  # eagle3: target layers it reads; []: early, middle, late
     ttt_steps: int = MISSING  # eagle3: training-time test unrolls the head this many steps
     ttt_decay: float = MISSING  # eagle3: weight of step j's loss is ttt_decay^j
-    ttt_attention: TttAttention = TttAttention.sdpa  # eagle3: how training-time test attends (sdpa or flex)
 
 
 @dataclass
@@ -272,12 +266,6 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     _check(typed.draft.vocab_size >= 0, "draft.vocab_size", "0 (the whole vocabulary) or a positive size", typed.draft.vocab_size)
     _check(typed.draft.ttt_steps >= 1, "draft.ttt_steps", "1 or more", typed.draft.ttt_steps)
     _check(0.0 < typed.draft.ttt_decay <= 1.0, "draft.ttt_decay", "a number in (0, 1]", typed.draft.ttt_decay)
-    _check(
-        typed.draft.ttt_attention.value == "sdpa" or typed.device.value != "cpu",
-        "draft.ttt_attention",
-        "sdpa with device=cpu (flex attention has no backward on a CPU)",
-        typed.draft.ttt_attention.value,
-    )
     _check(d.temperature > 0, "distill.temperature", "a positive number", d.temperature)
     _check(0.0 < d.jsd_beta < 1.0, "distill.jsd_beta", "a number in (0, 1)", d.jsd_beta)
     _check(d.teacher.top_k_logits >= 0, "distill.teacher.top_k_logits", "0 (online target logits) or a positive k", d.teacher.top_k_logits)

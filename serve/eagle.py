@@ -93,38 +93,63 @@ class EagleLayer(nn.Module):
         h = residual + self.attention(x, cos, sin, mask, rows, slots, read)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def unrolled(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def unrolled(self, h: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
         """One training-time-test step over whole sequences [B, E, hidden]: the keys and values of the
-        earlier steps are in `cache` (this step's are appended); `mask` says which each entry sees (a boolean
-        tensor, ttt_mask, or flex attention's block mask, ttt_block_mask)."""
+        earlier steps are in `cache` (this step's are appended); `mask` (ttt_mask) says which each entry sees."""
         x, residual = self.attention_input(h, embeds)
         q, k, v = self.attention.project(x, cos, sin)
         cache.append((k.transpose(1, 2), v.transpose(1, 2)))  # [B, H_kv, E, D]
         keys, values = (torch.cat(parts, dim=2) for parts in zip(*cache))
-        if isinstance(mask, Tensor):
-            attended = _attend_eagerly(self.attention, q, keys, values, mask)
-        else:
-            attended = _attend_flex(self.attention, q, keys, values, mask)
-        h = residual + attended
+        h = residual + _attend_eagerly(self.attention, q, keys, values, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
-
-def _attend_flex(attention: Attention, q: Tensor, keys: Tensor, values: Tensor, block_mask) -> Tensor:
-    """Training-time test's attention through flex attention, which computes only the blocks its mask leaves
-    (step j's keys are step 0's, causally, and one key a query in each later step's block)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    B, T = q.shape[:2]
-    gqa = attention.args.num_heads != attention.args.num_kv_heads
-    y = flex_attention(q.transpose(1, 2), keys, values, block_mask=block_mask, scale=attention.scale, enable_gqa=gqa)
-    return attention.wo(y.transpose(1, 2).reshape(B, T, -1))
+    def windowed(
+        self,
+        h: Tensor,
+        embeds: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        entries: Tensor,
+        first: tuple[Tensor, Tensor],
+        own: list[tuple[Tensor, Tensor]],
+    ) -> Tensor:
+        """A training-time-test step after the first over a window of entries [B, W, hidden]: entry `entries` [B, W]
+        attends to the first step's keys and values up to it (`first`, [B, H_kv, E, D]) and to its own at the
+        steps since (`own`, this step's appended): the keys unrolled() would let through, and no others."""
+        x, residual = self.attention_input(h, embeds)
+        q, k, v = self.attention.project(x, cos, sin)
+        own.append((k, v))  # [B, W, H_kv, D]
+        own_keys, own_values = (torch.stack(parts, dim=2) for parts in zip(*own))  # [B, W, j, H_kv, D]
+        h = residual + window_attention(self.attention, q, *first, entries, own_keys, own_values)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 @torch.compiler.disable
 def _attend_eagerly(attention: Attention, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """Training-time test's attention, outside a compiled unroll (distill.compile): with it inside, inductor stopped
-    on an AssertionError on an H200 (torch 2.11, dynamic shapes); SDPA's own fused kernel runs instead."""
+    """Training-time test's first step's attention, outside a compiled unroll (distill.compile): with it inside,
+    inductor stopped on an AssertionError on an H200 (torch 2.11, dynamic shapes); SDPA's own fused kernel runs instead."""
     return attention.attend(q, keys, values, mask)
+
+
+def window_attention(
+    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor
+) -> Tensor:
+    """Training-time test's attention at a step j >= 1, written out: q [B, W, H, D] at entries [B, W] over the first
+    step's keys, values [B, H_kv, E, D] up to the query's entry, and over its own entry's at steps 1..j
+    (own_keys, own_values [B, W, j, H_kv, D]), one softmax over both: E + j scores a query, where a mask over
+    every step's whole keys gives (j + 1) E. -> [B, W, hidden]."""
+    B, W, H, D = q.shape
+    kv_heads, E = keys.shape[1], keys.shape[2]
+    q = q.view(B, W, kv_heads, H // kv_heads, D)  # query head h reads KV head h // groups
+    scores = torch.cat([torch.einsum("bwkgd,bkud->bkgwu", q, keys), torch.einsum("bwkgd,bwjkd->bkgwj", q, own_keys)], dim=-1)
+    scores = scores.float() * attention.scale
+    if attention.args.attn_softcap:
+        scores = torch.tanh(scores / attention.args.attn_softcap) * attention.args.attn_softcap
+    hidden = torch.arange(E, device=q.device) > entries.unsqueeze(-1)  # [B, W, E]: the first step's keys past the entry
+    scores = scores.masked_fill(F.pad(hidden, (0, own_keys.shape[2]))[:, None, None], float("-inf"))
+    p = scores.softmax(-1).to(values.dtype)
+    y = torch.einsum("bkgwu,bkud->bwkgd", p[..., :E], values) + torch.einsum("bkgwj,bwjkd->bwkgd", p[..., E:], own_values)
+    return attention.wo(y.reshape(B, W, H * D))
 
 
 class EagleHead(CachedModel):
@@ -163,24 +188,35 @@ class EagleHead(CachedModel):
         """[..., hidden] -> logits over the draft vocabulary [..., V_draft] (entries map to self.vocab)."""
         return self.lm_head(self.norm(hidden))
 
-    def unroll(self, tokens: Tensor, features: Tensor, embeddings: nn.Module, steps: int, masks: list | None = None) -> Iterator[Tensor]:
+    def unroll(self, tokens: Tensor, features: Tensor, embeddings: nn.Module, steps: int, window: Tensor | None = None) -> Iterator[Tensor]:
         """Training-time test over whole sequences, no cache: tokens [B, S] with the target's hidden states
         at each position features [B, S, F]; yields the hidden states [B, E = S - 1, hidden] of step 0, 1,
         ..., steps - 1. Step j's entry t stands for position t + j: it reads the token at t + j + 1 (the
         data's: a draft is only continued where the earlier ones were accepted) and its own step j - 1
         output, and attends to step 0's entries up to t and to its own earlier steps, exactly what an
-        inference step's cache holds; it predicts the token at t + j + 2. masks: each step's (ttt_block_mask,
-        for flex attention); by default boolean ones (ttt_mask)."""
+        inference step's cache holds; it predicts the token at t + j + 2. window [B, W] (entries of each row):
+        the steps after the first run at these entries only and yield [B, W, hidden] (step 0 runs at every
+        entry: its keys are every later step's); an entry's value at a step depends only on its own at the
+        steps before and on step 0's."""
         E = tokens.shape[1] - 1
         hidden = self.fc(features[:, :E])
         caches: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
         positions = torch.arange(E, device=tokens.device).unsqueeze(0)
         for j in range(steps):
-            embeds = embeddings(F.pad(tokens[:, j + 1 :], (0, j))).to(hidden.dtype)  # [B, E]: the token at t + j + 1
-            cos, sin = rope_at(self.args, positions + j, hidden.dtype)
-            mask = ttt_mask(E, j, tokens.device) if masks is None else masks[j]
-            for layer, cache in zip(self.layers, caches):
-                hidden = layer.unrolled(hidden, embeds, cos, sin, mask, cache)
+            if window is None or j == 0:
+                embeds = embeddings(F.pad(tokens[:, j + 1 :], (0, j))).to(hidden.dtype)  # [B, E]: the token at t + j + 1
+                cos, sin = rope_at(self.args, positions + j, hidden.dtype)
+                mask = ttt_mask(E, j, tokens.device)
+                for layer, cache in zip(self.layers, caches):
+                    hidden = layer.unrolled(hidden, embeds, cos, sin, mask, cache)
+            else:
+                if j == 1:
+                    hidden = hidden.gather(1, window.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+                    owns: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
+                embeds = embeddings(tokens.gather(1, (window + j + 1).clamp(max=E))).to(hidden.dtype)
+                cos, sin = rope_at(self.args, window + j, hidden.dtype)
+                for layer, cache, own in zip(self.layers, caches, owns):
+                    hidden = layer.windowed(hidden, embeds, cos, sin, window, cache[0], own)
             yield hidden
 
 
@@ -205,17 +241,6 @@ def ttt_mask(entries: int, step: int, device: torch.device) -> Tensor:
     causal = torch.ones(entries, entries, dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(entries, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1).view(1, 1, entries, -1)
-
-
-def ttt_block_mask(entries: int, step: int, device: torch.device):
-    """ttt_mask as flex attention's block mask [E, (step + 1) E]: step 0's entries causally, then in each earlier
-    step's block the entry of the same index."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def visible(b, h, q, kv):
-        return torch.where(kv < entries, kv <= q, kv % entries == q)
-
-    return create_block_mask(visible, None, None, entries, (step + 1) * entries, device=device)
 
 
 def rope_at(args: ModelArgs, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -287,12 +287,13 @@ def test_the_indexed_loss_is_the_masked_definition(tiny_models):
             torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
 
 
-def flex_case(tiny_models):
-    """A head, an embedding and a batch of rows of uneven lengths, with random target features and logits."""
+def uneven_case(tiny_models, layers: int):
+    """A head of `layers` layers, an embedding and a batch of rows of uneven lengths (one prompt longer than the
+    unroll, one of two tokens), with random target features and logits."""
     from draftsmith.distill.train import collate
 
     target_dir = tiny_models["smollm2"][0]
-    head, _ = eagle.build_head(target_dir, 1, eagle.resolve_aux_layers([], 3), list(range(0, 97, 2)), seed=4)
+    head, _ = eagle.build_head(target_dir, layers, eagle.resolve_aux_layers([], 3), list(range(0, 97, 2)), seed=4)
     g = torch.Generator().manual_seed(1)
     rows = [
         {"prompt_ids": torch.randint(97, (n,), generator=g).tolist(), "response_ids": torch.randint(97, (m,), generator=g).tolist()}
@@ -303,40 +304,49 @@ def flex_case(tiny_models):
     return head, torch.nn.Embedding(97, 96), batch, features, torch.randn(batch.num_targets, 49, generator=g)
 
 
-def test_flex_attention_sees_what_the_boolean_mask_lets_through(tiny_models):
-    """draft.ttt_attention=flex: the block mask leaves each step's entries exactly the keys the boolean mask does,
-    so loss and acceptance counts are the same (forward only: flex attention has no backward on a CPU; the GPU test
-    below compares gradients, compiled)."""
+def test_later_steps_at_the_window_train_as_every_entry_does(tiny_models):
+    """The steps after the first run only at each row's window of entries that a loss reads: with two layers (the
+    second attends to the first's keys at every step), the same loss, gradient and acceptance counts as the whole
+    unroll, and the window is narrower than the rows."""
     from draftsmith.distill import losses
 
-    head, embeddings, batch, features, logits = flex_case(tiny_models)
+    head, embeddings, batch, features, logits = uneven_case(tiny_models, layers=2)
     loss_fn = losses.against_logits("forward_kl", 1.0, 0.5)
     index = eagle.UnrollIndex.of(batch, 4)
-    with torch.no_grad():
-        masked = eagle.UnrolledHead(head, embeddings, 4, 0.8)(batch.input_ids, features, logits, index, loss_fn, batch.labels)
-        flex = eagle.UnrolledHead(head, embeddings, 4, 0.8, flex=True)(batch.input_ids, features, logits, index, loss_fn, batch.labels)
-    torch.testing.assert_close(flex[0], masked[0])
-    assert {k: v.item() for k, v in flex[1].items() if k != "tvd_0"} == {k: v.item() for k, v in masked[1].items() if k != "tvd_0"}
+    assert index.window.shape[1] < batch.input_ids.shape[1] - 1
+    results = []
+    for windowed in (True, False):
+        head.zero_grad()
+        loss, metrics = eagle.UnrolledHead(head, embeddings, 4, 0.8, windowed=windowed)(
+            batch.input_ids, features, logits, index, loss_fn, batch.labels
+        )
+        loss.backward()
+        results.append((loss.detach(), {k: v.item() for k, v in metrics.items()}, [p.grad.clone() for p in head.parameters()]))
+    (loss, metrics, grads), (whole_loss, whole_metrics, whole_grads) = results
+    torch.testing.assert_close(loss, whole_loss)
+    assert metrics == pytest.approx(whole_metrics)
+    for a, b in zip(grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention trains on a GPU")
-def test_flex_attention_trains_the_head_as_the_boolean_mask_does_compiled(tiny_models):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiled unroll on a GPU")
+def test_the_compiled_unroll_trains_the_head_as_the_whole_unroll_does(tiny_models):
     from draftsmith.distill import losses
 
-    head, embeddings, batch, features, logits = flex_case(tiny_models)
-    head, embeddings = head.cuda(), embeddings.cuda()
+    head, embeddings, batch, features, logits = uneven_case(tiny_models, layers=1)
+    head, embeddings, features, logits = head.cuda(), embeddings.cuda(), features.cuda(), logits.cuda()
     loss_fn = losses.against_logits("forward_kl", 1.0, 0.5)
     batch.input_ids, batch.labels = batch.input_ids.cuda(), batch.labels.cuda()
-    index = eagle.UnrollIndex.of(batch, 4)
     results = []
-    for flex in (False, True):
-        student = eagle.UnrolledHead(head, embeddings, 4, 0.8, chunk=16, flex=flex)
-        student.compile_training()
+    for compiled in (False, True):
+        student = eagle.UnrolledHead(head, embeddings, 4, 0.8, chunk=16, windowed=compiled)
         head.zero_grad()
-        loss, _ = student(batch.input_ids, features.cuda(), logits.cuda(), index, loss_fn)
+        if compiled:
+            student.compile_training()
+        loss, _ = student(batch.input_ids, features, logits, eagle.UnrollIndex.of(batch, 4), loss_fn)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in head.parameters()]))
-    (masked, masked_grads), (flex, flex_grads) = results
-    torch.testing.assert_close(flex, masked)
-    for a, b in zip(flex_grads, masked_grads):
+    (whole, whole_grads), (compiled, compiled_grads) = results
+    torch.testing.assert_close(compiled, whole)
+    for a, b in zip(compiled_grads, whole_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
