@@ -34,7 +34,7 @@
 #   bash benchmarks/h200_bench.sh scale [SHAPE]   bench shapes: plain, verify and both draft kinds' steps at SHAPE
 #                                            (llama-3.1-8b), batch 1 and 16, K 2 and 4, projected at alpha ALPHA (0.76)
 #   bash benchmarks/h200_bench.sh put          keeps the carried .gpu/qwen_coder/ pieces in $ROOT/qwen_coder (a call each)
-#   bash benchmarks/h200_bench.sh bg MODE [ARGS]   MODE in the background (LIMIT 3000), its results in $ROOT/out;
+#   bash benchmarks/h200_bench.sh bg MODE [ARGS]   MODE (or a script) in the background (LIMIT 3000), its results in $ROOT/out;
 #   bash benchmarks/h200_bench.sh wait [SECS]  then calls of this, back to back, until it says "finished" (e.g.
 #                                            `bg qwen_coder distill.max_steps=300 evaluate.num_prompts=64`: 17 min on an H100
 #                                            on 2026-12-05 with two jobs stopped in quantize, ~23 min whole; after 27 puts)
@@ -126,8 +126,9 @@ bg)  # the rest of the line in the background, past a call's 10 minutes while th
   rm -rf "$snap" && mkdir -p "$snap" && tar --exclude=./.gpu --exclude=./.whl --exclude="./.venv*" --exclude=./.git -cf - . | tar -xf - -C "$snap"
   ln -s "$PWD/.gpu" "$snap/.gpu"
   (cd "$snap" && python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >/dev/null)
-  setsid nohup bash -c 'cd "$1/snapshot" && OUT="$1/out" LIMIT="$2" bash benchmarks/h200_bench.sh "${@:3}"; touch "$1/bg.done"' \
-    _ "$root" "${LIMIT:-3000}" "$@" > "$root/bg.log" 2>&1 < /dev/null &
+  run=(benchmarks/h200_bench.sh); [ -f "$1" ] && run=()  # a script of several steps (e.g. in .gpu/) instead of a mode
+  setsid nohup bash -c 'cd "$1/snapshot" && OUT="$1/out" LIMIT="$2" bash "${@:3}"; touch "$1/bg.done"' \
+    _ "$root" "${LIMIT:-3000}" "${run[@]}" "$@" > "$root/bg.log" 2>&1 < /dev/null &
   echo "started: $*"
   ;;
 wait)  # until the background run ends, at most ${2:-280} s: its stages and log, then what it wrote so far to $OUT
@@ -154,7 +155,8 @@ eagle)
 eagle_chat)  # the measured head recipe on a general-chat domain: CHAT (.gpu/alpaca_eval.jsonl, benchmarks/chat_assets.py)
   timeout "$limit" "${cli[@]}" run "${eagle[@]}" data.path="$(realpath "${CHAT:-.gpu/alpaca_eval.jsonl}")" \
     stop_after=publish 2>&1 | tail -40 || true
-  cp "$(newest "$root/runs/evaluate/*")"/{eval.json,eval.md} "$out/" || true
+  for f in eval.json eval.md; do cp "$(newest "$root/runs/evaluate/*")/$f" "$out/chat_$f" || true; done
+  for s in teacher distill evaluate; do cp "$(newest "$root/runs/$s/*")/stage.json" "$out/chat_${s}_stage.json" || true; done
   ;;
 standalone)
   timeout "$limit" "${cli[@]}" run "${common[@]}" distill.max_steps=400 distill.eval_every=400 stop_after=quantize 2>&1 | tail -40 || true
