@@ -147,7 +147,8 @@ class UnrolledHead(nn.Module):
         self.__dict__["states"] = self._states  # distill.compile: compile_training replaces it
 
     def compile_training(self) -> None:
-        """torch.compile the unroll whole (dynamic shapes: rows differ in length batch to batch)."""
+        """torch.compile the unroll whole (dynamic shapes: rows differ in length batch to batch), for training steps:
+        held-out passes run it eagerly, as a no-grad call would compile it a second time."""
         self.__dict__["states"] = torch.compile(self._states, dynamic=True)
 
     def _states(self, tokens: Tensor, features: Tensor, window: Tensor | None, at: tuple[Tensor, ...]) -> list[Tensor]:
@@ -170,7 +171,8 @@ class UnrolledHead(nn.Module):
         metrics: dict[str, Tensor] = {}
         correct = None  # [B * E]: every step so far agreed
         window, at = (index.window, index.at) if self.windowed else (None, index.entries)
-        for j, hidden in enumerate(self.states(tokens, features, window, at)):
+        states = self.states if torch.is_grad_enabled() else self._states  # held-out passes: no second compilation
+        for j, hidden in enumerate(states(tokens, features, window, at)):
             p = target_logits if index.picks[j] is None else target_logits.index_select(0, index.picks[j])
             q = None
             if self.chunk > 0 and torch.is_grad_enabled():  # training: the logits never whole
