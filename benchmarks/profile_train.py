@@ -39,6 +39,13 @@ HEAD_VARIANTS = {  # --head: an EAGLE-3 head (preset=eagle3_sweep's: one layer, 
     "head, whole loss": {"loss_chunk_size": 0, "target_states_gib": 32.0},
     "head, chunked, compiled": {"loss_chunk_size": 4096, "compile": True, "target_states_gib": 32.0},
     "head, whole loss, compiled": {"loss_chunk_size": 0, "compile": True, "target_states_gib": 32.0},
+    # each group of 3 steps (the default --warmup) sorts one pass over the rows by length
+    "head, chunked, compiled, length-grouped": {
+        "loss_chunk_size": 4096,
+        "compile": True,
+        "target_states_gib": 32.0,
+        "length_group_steps": 3,
+    },
 }
 WHOLE = "head, every step at every entry, compiled"  # the unroll before its later steps ran at the window only
 HEAD_VARIANTS[WHOLE] = HEAD_VARIANTS["head, chunked, compiled"]

@@ -306,8 +306,9 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+def seeded_order(n: int, seed: int, salt: int) -> list[int]:
+    """A permutation of range(n), the same for the same seed and salt (an epoch, a group of steps)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + salt)).tolist()
 
 
 class Distiller:
@@ -373,16 +374,28 @@ class Distiller:
         draft.train()
         return [{"prompt_ids": r["prompt_ids"], "response_ids": s} for r, s in zip(rows[:n], sampled)] + rows[n:]
 
-    def _micro_batches(self, step: int) -> list[list[dict]]:
-        """The rows of this process's micro-batches at optimizer step `step`."""
-        per_step = self.cfg.batch_size * self.cfg.grad_accum_steps
-        start = step * per_step
+    def _rows(self, start: int, count: int) -> list[dict]:
+        """`count` rows from position `start` of the epochs' seeded orders, one after another."""
         epoch, offset = divmod(start, len(self.train_rows))
-        order = epoch_order(len(self.train_rows), self.seed, epoch)
-        while len(order) - offset < per_step:  # crossing an epoch boundary
+        order = seeded_order(len(self.train_rows), self.seed, epoch)
+        while len(order) - offset < count:  # crossing an epoch boundary
             epoch += 1
-            order = order + epoch_order(len(self.train_rows), self.seed, epoch)
-        rows = [self.train_rows[i] for i in order[offset : offset + per_step]]
+            order = order + seeded_order(len(self.train_rows), self.seed, epoch)
+        return [self.train_rows[i] for i in order[offset : offset + count]]
+
+    def _micro_batches(self, step: int) -> list[list[dict]]:
+        """The rows of this process's micro-batches at optimizer step `step`. With distill.length_group_steps = G,
+        the rows the G steps of step's group would take are sorted by length and cut into G slices, which those
+        steps take in a seeded order: each row is still seen once, in a batch of rows of about its length."""
+        per_step = self.cfg.batch_size * self.cfg.grad_accum_steps
+        group = self.cfg.length_group_steps
+        if group > 1:
+            first = step - step % group
+            pool = sorted(self._rows(first * per_step, group * per_step), key=lambda r: len(r["prompt_ids"]) + len(r["response_ids"]))
+            pick = seeded_order(group, self.seed, first)[step % group]
+            rows = pool[pick * per_step : (pick + 1) * per_step]
+        else:
+            rows = self._rows(step * per_step, per_step)
         mine = rows[self.accelerator.process_index :: self.accelerator.num_processes]
         size = max(1, len(mine) // self.cfg.grad_accum_steps)
         return [mine[i : i + size] for i in range(0, len(mine), size)][: self.cfg.grad_accum_steps]

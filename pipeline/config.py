@@ -138,6 +138,7 @@ class DistillConfig:
     on_policy_fraction: float = 0.0  # DistillSpec: this share of each batch is the draft's own continuations
     loss_chunk_size: int = 4096  # the loss over [tokens, vocab] logits this many tokens at a time; 0: all at once
     pack_sequences: bool = True  # a standalone draft's training sequences share rows instead of padding them
+    length_group_steps: int = 1  # this many steps' rows sorted by length together, each step one slice (1: off)
     compile: bool = False  # torch.compile the student (dynamic shapes)
     target_states_gib: float = 8.0  # the target's states at fixed rows kept on the device (a head's: every position)
     keep_best: bool = True  # ship the draft of the lowest held-out TVD among the evaluations (step 0 included)
@@ -270,7 +271,7 @@ def validate(cfg: DictConfig) -> DraftsmithConfig:
     _check(0.0 < d.jsd_beta < 1.0, "distill.jsd_beta", "a number in (0, 1)", d.jsd_beta)
     _check(d.teacher.top_k_logits >= 0, "distill.teacher.top_k_logits", "0 (online target logits) or a positive k", d.teacher.top_k_logits)
     _check(d.warmup_steps >= 0, "distill.warmup_steps", "0 or more", d.warmup_steps)
-    for key in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "max_seq_len"):
+    for key in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "max_seq_len", "length_group_steps"):
         _check(getattr(d, key) >= 1, f"distill.{key}", "1 or more", getattr(d, key))
     for key in ("max_new_tokens", "batch_size"):
         _check(getattr(d.teacher, key) >= 1, f"distill.teacher.{key}", "1 or more", getattr(d.teacher, key))

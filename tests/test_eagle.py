@@ -125,15 +125,16 @@ def test_greedy_with_a_head_equals_target_greedy(trained):
     assert accepted > 50  # the trained head is accepted often: acceptance paths run
 
 
-def test_training_resumes_where_it_stopped(tiny_models, tmp_path):
+@pytest.mark.parametrize("group", [1, 5])
+def test_training_resumes_where_it_stopped(tiny_models, tmp_path, group):
     """A run stopped after its first checkpoint and started again ends where an uninterrupted one ends, bit for bit
     with the target run at every step (kept states are recomputed after a restart, in other batches: equal up to
-    float rounding only)."""
+    float rounding only); with length-grouped steps too, stopped inside a group."""
     from dataclasses import replace
 
     target_dir = tiny_models["smollm2"][0]
     rows = greedy_rows(target_dir, n=64)
-    cfg = replace(distill_config(max_steps=8, eval_every=4), target_states_gib=0.0)
+    cfg = replace(distill_config(max_steps=8, eval_every=4), target_states_gib=0.0, length_group_steps=group)
     whole = distiller(target_dir, rows, tmp_path / "whole", cfg)
     whole.train()
 
@@ -148,6 +149,30 @@ def test_training_resumes_where_it_stopped(tiny_models, tmp_path):
     assert [h["step"] for h in history] == [0, 4, 8]
     for a, b in zip(whole.draft.parameters(), resumed.draft.parameters()):
         assert torch.equal(a, b)
+
+
+def test_length_grouped_steps_take_the_same_rows_in_batches_of_like_length(tiny_models, tmp_path):
+    """distill.length_group_steps = 4: the four steps of a group take the rows the four would have taken ungrouped,
+    each once, cut from their order by length, so one step's lengths do not overlap another's."""
+    from dataclasses import replace
+
+    target_dir = tiny_models["smollm2"][0]
+    rng = random.Random(0)
+    rows = [
+        {"id": str(i), "prompt_ids": [5] * rng.randint(2, 8), "response_ids": [7] * rng.randint(1, 20), "split": "train"} for i in range(40)
+    ]
+    steps = {}
+    for group in (1, 4):
+        d = distiller(target_dir, rows, tmp_path / str(group), replace(distill_config(), batch_size=8, length_group_steps=group))
+        steps[group] = [d._micro_batches(step)[0] for step in range(8)]
+    length = lambda r: len(r["prompt_ids"]) + len(r["response_ids"])
+    for first in (0, 4):
+        grouped, plain = steps[4][first : first + 4], steps[1][first : first + 4]
+        assert sorted(r["id"] for b in grouped for r in b) == sorted(r["id"] for b in plain for r in b)
+        spans = sorted((min(map(length, b)), max(map(length, b))) for b in grouped)
+        assert all(high <= low for (_, high), (low, _) in zip(spans, spans[1:]))
+        assert max(h - lo for lo, h in spans) < max(max(map(length, b)) - min(map(length, b)) for b in plain)
+    assert steps[4][:4] != sorted(steps[4][:4], key=lambda b: length(b[0]))  # the slices in a seeded order, not by length
 
 
 def head_samples(target_dir, head_dir, params: SamplingParams, k: int) -> tuple[np.ndarray, object]:
