@@ -81,7 +81,8 @@ def one_run(
         aux = eagle.resolve_aux_layers([], target.config.num_hidden_layers)
         head, layer_config = eagle.build_head(target_dir, 1, aux, list(range(HEAD_VOCAB)), seed=0)
         objective = eagle.EagleObjective(cfg, aux, list(range(HEAD_VOCAB)), layer_config, {})
-        draft = eagle.UnrolledHead(head, target.get_input_embeddings(), HEAD_STEPS, 0.8, chunk=cfg.loss_chunk_size, windowed=not whole)
+        chunk = eagle.loss_chunk(cfg.loss_chunk_size, target.config.vocab_size, HEAD_VOCAB)
+        draft = eagle.UnrolledHead(head, target.get_input_embeddings(), HEAD_STEPS, 0.8, chunk=chunk, windowed=not whole)
     else:
         draft, objective = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), DraftObjective(cfg, online=True)
     distiller = Distiller(

@@ -97,6 +97,12 @@ def build_head(target_dir: Path, num_layers: int, aux_layers: tuple[int, ...], v
     return head, layer_config
 
 
+def loss_chunk(tokens: int, target_vocab: int, draft_vocab: int) -> int:
+    """Rows a chunk of the head's loss (distill.loss_chunk_size counts tokens over the target's vocabulary): as
+    many logits a chunk over the draft vocabulary, so fewer chunks, each launched from the host, make a step."""
+    return tokens * max(1, target_vocab // draft_vocab)
+
+
 @dataclass(frozen=True)
 class UnrollIndex:
     """Where a batch's response positions sit in each step of training-time test, as index tensors made on the

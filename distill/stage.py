@@ -126,9 +126,8 @@ def eagle_student(cfg: DraftsmithConfig, target, reference: dict, vocab: list[in
     head, layer_config = eagle.build_head(Path(reference["path"]), cfg.draft.num_layers, aux, vocab, cfg.seed)
     verifier = {"name_or_path": reference["name_or_path"], "architectures": [reference["architecture"]]}
     objective = eagle.EagleObjective(cfg.distill, aux, vocab, layer_config, verifier)
-    student = eagle.UnrolledHead(
-        head, target.get_input_embeddings(), cfg.draft.ttt_steps, cfg.draft.ttt_decay, chunk=cfg.distill.loss_chunk_size
-    )
+    chunk = eagle.loss_chunk(cfg.distill.loss_chunk_size, reference["vocab_size"] or len(vocab), len(vocab))
+    student = eagle.UnrolledHead(head, target.get_input_embeddings(), cfg.draft.ttt_steps, cfg.draft.ttt_decay, chunk=chunk)
     if main and not (initial / "config.json").is_file():
         objective.save(student, initial)
     return student, objective
