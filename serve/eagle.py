@@ -110,45 +110,55 @@ class EagleLayer(nn.Module):
         cos: Tensor,
         sin: Tensor,
         entries: Tensor,
-        first: tuple[Tensor, Tensor],
-        own: list[tuple[Tensor, Tensor]],
+        first: list[tuple[Tensor, Tensor]],
+        own: list[tuple[Tensor, Tensor]] | None,
     ) -> Tensor:
-        """A training-time-test step after the first over a window of entries [B, W, hidden]: entry `entries` [B, W]
-        attends to the first step's keys and values up to it (`first`, [B, H_kv, E, D]) and to its own at the
-        steps since (`own`, this step's appended): the keys unrolled() would let through, and no others."""
+        """A training-time-test step at entries [B, W] (their states [B, W, hidden]), attending as unrolled() lets it:
+        own None (the first step, at every entry): to the first step's keys up to the entry, which it writes to
+        `first` ([B, H_kv, E, D]); else to those and to the entry's own at the steps since (`own`, this step's
+        appended). Written out, so that a compiled unroll is one graph."""
         x, residual = self.attention_input(h, embeds)
         q, k, v = self.attention.project(x, cos, sin)
-        own.append((k, v))  # [B, W, H_kv, D]
-        own_keys, own_values = (torch.stack(parts, dim=2) for parts in zip(*own))  # [B, W, j, H_kv, D]
-        h = residual + window_attention(self.attention, q, *first, entries, own_keys, own_values)
+        own_keys = own_values = None
+        if own is None:
+            first.append((k.transpose(1, 2), v.transpose(1, 2)))
+        else:
+            own.append((k, v))  # [B, W, H_kv, D]
+            own_keys, own_values = (torch.stack(parts, dim=2) for parts in zip(*own))  # [B, W, j, H_kv, D]
+        h = residual + window_attention(self.attention, q, *first[0], entries, own_keys, own_values)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 @torch.compiler.disable
 def _attend_eagerly(attention: Attention, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """Training-time test's first step's attention, outside a compiled unroll (distill.compile): with it inside,
-    inductor stopped on an AssertionError on an H200 (torch 2.11, dynamic shapes); SDPA's own fused kernel runs instead."""
+    """The whole unroll's attention (unrolled(): the definition, and the evaluate stage's acceptance), kept out of
+    compiled code: inside a compiled unroll, inductor stopped on an AssertionError on an H200 (torch 2.11, dynamic
+    shapes). Training's windowed steps attend through window_attention, which compiles."""
     return attention.attend(q, keys, values, mask)
 
 
 def window_attention(
-    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor
+    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor | None, own_values: Tensor | None
 ) -> Tensor:
-    """Training-time test's attention at a step j >= 1, written out: q [B, W, H, D] at entries [B, W] over the first
-    step's keys, values [B, H_kv, E, D] up to the query's entry, and over its own entry's at steps 1..j
+    """Training-time test's attention, written out: q [B, W, H, D] at entries [B, W] over the first step's keys,
+    values [B, H_kv, E, D] up to the query's entry and, at a step j >= 1, over its own entry's at steps 1..j
     (own_keys, own_values [B, W, j, H_kv, D]), one softmax over both: E + j scores a query, where a mask over
     every step's whole keys gives (j + 1) E. -> [B, W, hidden]."""
     B, W, H, D = q.shape
     kv_heads, E = keys.shape[1], keys.shape[2]
     q = q.view(B, W, kv_heads, H // kv_heads, D)  # query head h reads KV head h // groups
-    scores = torch.cat([torch.einsum("bwkgd,bkud->bkgwu", q, keys), torch.einsum("bwkgd,bwjkd->bkgwj", q, own_keys)], dim=-1)
+    scores = torch.einsum("bwkgd,bkud->bkgwu", q, keys)
+    hidden = torch.arange(E, device=q.device) > entries.unsqueeze(-1)  # [B, W, E]: the first step's keys past the entry
+    if own_keys is not None:
+        scores = torch.cat([scores, torch.einsum("bwkgd,bwjkd->bkgwj", q, own_keys)], dim=-1)
+        hidden = F.pad(hidden, (0, own_keys.shape[2]))
     scores = scores.float() * attention.scale
     if attention.args.attn_softcap:
         scores = torch.tanh(scores / attention.args.attn_softcap) * attention.args.attn_softcap
-    hidden = torch.arange(E, device=q.device) > entries.unsqueeze(-1)  # [B, W, E]: the first step's keys past the entry
-    scores = scores.masked_fill(F.pad(hidden, (0, own_keys.shape[2]))[:, None, None], float("-inf"))
-    p = scores.softmax(-1).to(values.dtype)
-    y = torch.einsum("bkgwu,bkud->bwkgd", p[..., :E], values) + torch.einsum("bkgwj,bwjkd->bwkgd", p[..., E:], own_values)
+    p = scores.masked_fill(hidden[:, None, None], float("-inf")).softmax(-1).to(values.dtype)
+    y = torch.einsum("bkgwu,bkud->bwkgd", p[..., :E], values)
+    if own_values is not None:
+        y = y + torch.einsum("bkgwj,bwjkd->bwkgd", p[..., E:], own_values)
     return attention.wo(y.reshape(B, W, H * D))
 
 
@@ -202,8 +212,10 @@ class EagleHead(CachedModel):
         hidden = self.fc(features[:, :E])
         caches: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
         positions = torch.arange(E, device=tokens.device).unsqueeze(0)
+        owns: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
+        at = positions.expand(tokens.shape[0], E)  # the entries a step runs at: every one, then the window's
         for j in range(steps):
-            if window is None or j == 0:
+            if window is None:
                 embeds = embeddings(F.pad(tokens[:, j + 1 :], (0, j))).to(hidden.dtype)  # [B, E]: the token at t + j + 1
                 cos, sin = rope_at(self.args, positions + j, hidden.dtype)
                 mask = ttt_mask(E, j, tokens.device)
@@ -211,12 +223,11 @@ class EagleHead(CachedModel):
                     hidden = layer.unrolled(hidden, embeds, cos, sin, mask, cache)
             else:
                 if j == 1:
-                    hidden = hidden.gather(1, window.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-                    owns: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
-                embeds = embeddings(tokens.gather(1, (window + j + 1).clamp(max=E))).to(hidden.dtype)
-                cos, sin = rope_at(self.args, window + j, hidden.dtype)
-                for layer, cache, own in zip(self.layers, caches, owns):
-                    hidden = layer.windowed(hidden, embeds, cos, sin, window, cache[0], own)
+                    hidden, at = hidden.gather(1, window.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), window
+                embeds = embeddings(tokens.gather(1, (at + j + 1).clamp(max=E))).to(hidden.dtype)
+                cos, sin = rope_at(self.args, at + j, hidden.dtype)
+                for layer, first, own in zip(self.layers, caches, owns):
+                    hidden = layer.windowed(hidden, embeds, cos, sin, at, first, own if j else None)
             yield hidden
 
 

@@ -354,21 +354,32 @@ def test_later_steps_at_the_window_train_as_every_entry_does(tiny_models):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiled unroll on a GPU")
+def test_the_windowed_unroll_traces_into_one_graph(tiny_models):
+    """distill.compile compiles the windowed unroll whole: no graph breaks (each would be a compiled piece of its own
+    to launch, forward and backward, every step); the whole unroll breaks at every step's attention."""
+    head, embeddings, batch, features, _ = uneven_case(tiny_models, layers=2)
+    index = eagle.UnrollIndex.of(batch, 4)
+    student = eagle.UnrolledHead(head, embeddings, 4, 0.8)
+    assert torch._dynamo.explain(student._states)(batch.input_ids, features, index.window, index.at).graph_count == 1
+    assert torch._dynamo.explain(student._states)(batch.input_ids, features, None, index.entries).graph_count > 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiling for a CPU takes minutes")
 def test_the_compiled_unroll_trains_the_head_as_the_whole_unroll_does(tiny_models):
     from draftsmith.distill import losses
 
-    head, embeddings, batch, features, logits = uneven_case(tiny_models, layers=1)
+    head, embeddings, batch, features, logits = uneven_case(tiny_models, layers=2)
     head, embeddings, features, logits = head.cuda(), embeddings.cuda(), features.cuda(), logits.cuda()
     loss_fn = losses.against_logits("forward_kl", 1.0, 0.5)
     batch.input_ids, batch.labels = batch.input_ids.cuda(), batch.labels.cuda()
+    index = eagle.UnrollIndex.of(batch, 4)
     results = []
     for compiled in (False, True):
         student = eagle.UnrolledHead(head, embeddings, 4, 0.8, chunk=16, windowed=compiled)
         head.zero_grad()
         if compiled:
             student.compile_training()
-        loss, _ = student(batch.input_ids, features, logits, eagle.UnrollIndex.of(batch, 4), loss_fn)
+        loss, _ = student(batch.input_ids, features, logits, index, loss_fn)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in head.parameters()]))
     (whole, whole_grads), (compiled, compiled_grads) = results
