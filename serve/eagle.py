@@ -148,14 +148,14 @@ def window_attention(
     kv_heads, E = keys.shape[1], keys.shape[2]
     q = q.view(B, W, kv_heads, H // kv_heads, D)  # query head h reads KV head h // groups
     scores = torch.einsum("bwkgd,bkud->bkgwu", q, keys)
-    hidden = torch.arange(E, device=q.device) > entries.unsqueeze(-1)  # [B, W, E]: the first step's keys past the entry
+    unseen = torch.arange(E, device=q.device) > entries.unsqueeze(-1)  # [B, W, E]: the first step's keys past the entry
     if own_keys is not None:
         scores = torch.cat([scores, torch.einsum("bwkgd,bwjkd->bkgwj", q, own_keys)], dim=-1)
-        hidden = F.pad(hidden, (0, own_keys.shape[2]))
+        unseen = F.pad(unseen, (0, own_keys.shape[2]))
     scores = scores.float() * attention.scale
     if attention.args.attn_softcap:
         scores = torch.tanh(scores / attention.args.attn_softcap) * attention.args.attn_softcap
-    p = scores.masked_fill(hidden[:, None, None], float("-inf")).softmax(-1).to(values.dtype)
+    p = scores.masked_fill(unseen[:, None, None], float("-inf")).softmax(-1).to(values.dtype)
     y = torch.einsum("bkgwu,bkud->bwkgd", p[..., :E], values)
     if own_values is not None:
         y = y + torch.einsum("bkgwj,bwjkd->bwkgd", p[..., E:], own_values)
