@@ -1,14 +1,16 @@
 """Distillation throughput, side by side: training tokens per second of a standalone draft with the target
 online, for the trainer's settings (the loss over the whole batch at once or in chunks, padded or packed
-rows, torch.compile), each run the same number of times in rounds, with the median and the spread.
+rows, torch.compile), with the median and the spread over --repeats windows of timed steps.
 
     python3 benchmarks/profile_train.py [--cache-dir DIR] [--batch 128] [--steps 12] [--repeats 3] [--head]
 
 The demo target (bf16) and a 4-layer draft built from it, as the gpu preset trains them (--head: an EAGLE-3
 head as preset=eagle3_sweep trains it); the rows are
 random tokens with the gpu preset's lengths (prompts of 30-90 tokens, responses of 60-256, mean ~160),
-since throughput does not depend on what the tokens are. Each run trains a fresh draft for --warmup
-steps, then --steps timed ones; tokens are response tokens, as the distill stage counts them. The warm-up
+since throughput does not depend on what the tokens are. Each variant runs once: a fresh draft trains for
+--warmup steps (compiling, where the variant compiles), then --repeats windows of --steps timed ones, each
+window a measurement (a run a round compiled each time: ~3 minutes a round for a compiled head on an H100);
+tokens are response tokens, as the distill stage counts them. The warm-up
 steps make one pass over the rows and the timed steps repeat them, as the gpu preset's 6,000 steps make ~87
 passes over the teacher data: with kept states (distill.target_states_gib) the timed steps run only the
 target's LM head, which is the steady state of a run (its first pass runs the whole target).
@@ -66,8 +68,8 @@ def synthetic_rows(n: int, vocab: int, seed: int) -> list[dict]:
 
 def one_run(
     cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool, whole: bool = False
-) -> tuple[float, float]:
-    """(training tokens/s over the timed steps, peak GPU memory in GiB) of a fresh draft and a freshly
+) -> tuple[list[float], float]:
+    """(training tokens/s of each step after the warm-up, peak GPU memory in GiB) of a fresh draft and a freshly
     loaded target (distill.compile compiles the target's layers in place); draft_dir None: an EAGLE-3 head."""
     from transformers import AutoModelForCausalLM
 
@@ -100,8 +102,8 @@ def one_run(
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
     distiller.train()
-    timed = [rate for step, rate in seen if step > warmup]
-    return statistics.harmonic_mean(timed), 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
+    # the last step's rate is read at once, not one step later: it times nothing
+    return [rate for step, rate in seen if warmup < step < cfg.max_steps], 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 
 def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], work: Path, cpu: bool, whole: bool = False) -> str:
@@ -137,7 +139,8 @@ def main() -> None:
 
     target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
     cpu = args.device == "cpu"
-    base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=args.warmup + args.steps, eval_every=10**9)
+    steps = args.warmup + args.steps * args.repeats + 1  # the last one untimed
+    base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=steps, eval_every=10**9)
     rows = synthetic_rows(args.batch * args.warmup, read_config(target_dir)["vocab_size"], seed=0)  # one pass in warm-up
     variants = HEAD_VARIANTS if args.head else VARIANTS
     names = args.variant or (list(HEAD_VARIANTS) if args.head else DEFAULT_VARIANTS)
@@ -146,25 +149,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         layers = every_nth_layer(read_config(target_dir)["num_hidden_layers"], 4)
         draft_dir = None if args.head else build_from_target(target_dir, Path(tmp) / "draft", layers)
-        for round_ in range(args.repeats):
-            for name in names:
-                cfg = replace(base, **variants[name])
-                started = time.time()
-                try:
-                    work = Path(tmp) / f"work{round_}{name}"
-                    rate, memory[name] = one_run(cfg, target_dir, draft_dir, rows, args.warmup, work, cpu, name == WHOLE)
-                except Exception as error:  # a variant that fails here is reported, the others still run
-                    print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-                    continue
-                rates[name].append(rate)
-                print(f"round {round_ + 1} {name}: {rate:,.0f} tokens/s ({time.time() - started:.0f} s)", flush=True)
+        for name in names:  # one run a variant (compiling once), its timed steps in --repeats windows of --steps
+            started = time.time()
+            try:
+                timed, memory[name] = one_run(
+                    replace(base, **variants[name]), target_dir, draft_dir, rows, args.warmup, Path(tmp) / name, cpu, name == WHOLE
+                )
+            except Exception as error:  # a variant that fails here is reported, the others still run
+                print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+                continue
+            rates[name] = [statistics.harmonic_mean(timed[i : i + args.steps]) for i in range(0, len(timed), args.steps)]
+            print(f"{name}: {', '.join(f'{r:,.0f}' for r in rates[name])} tokens/s ({time.time() - started:.0f} s)", flush=True)
         if args.profile:
             print(
                 profile(replace(base, **variants[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu, names[-1] == WHOLE)
             )
     baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
     print(
-        f"\nbatch {args.batch} rows, {args.steps} timed steps after {args.warmup}, {args.repeats} rounds; "
+        f"\nbatch {args.batch} rows, {args.repeats} windows of {args.steps} timed steps after {args.warmup}; "
         f"{'CPU' if cpu else torch.cuda.get_device_name()}"
     )
     print(f"| variant | tokens/s (median) | spread | x {names[0]} | peak GiB |\n|---|---:|---|---:|---:|")
