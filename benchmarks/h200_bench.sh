@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README's Benchmarks section, on the offline GPU machine, as calls of under
 # 10 minutes each (after `source .gpu/prelude.sh`, see ../shared/gpu/README.md), in this order:
-#   bash benchmarks/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads, flex attention)
+#   bash benchmarks/h200_bench.sh tests        the GPU-only tests (CUDA graphs, draft models and EAGLE-3 heads, the compiled unroll)
 #   bash benchmarks/h200_bench.sh train        distillation tokens/s by trainer setting (benchmarks/profile_train.py)
 #   bash benchmarks/h200_bench.sh eagle        demo target -> EAGLE-3 head -> evaluate -> bundle
 #   bash benchmarks/h200_bench.sh eagle_sweep [OVERRIDES]  preset=eagle3_sweep through publish (overrides narrow the grid:
