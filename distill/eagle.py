@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from draftsmith.distill import losses
 from draftsmith.serve.eagle import EagleHead, HeadShape, default_aux_layers, layer_config_of
@@ -253,8 +254,6 @@ class EagleObjective:
         self.kept.keep(rows)
 
     def loss(self, student, target, batch) -> Tensor:
-        from torch.profiler import record_function
-
         with record_function("target forward"):  # names in benchmarks/profile_train.py --profile
             features, logits = self.target_outputs(target, batch)
         with record_function("draft forward"):

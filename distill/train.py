@@ -127,10 +127,9 @@ def response_logits(
     for i in range(0, len(rows), batch_size):
         batch = collate(rows[i : i + batch_size], max_seq_len, torch.device(device))
         hidden = [predicted_hidden(m, batch) for m in models]
-        heads = [getattr(m, "module", m).get_output_embeddings() for m in models]
         step = chunk or batch.num_targets
         for first in range(0, batch.num_targets, step):
-            yield batch, [head(h[first : first + step]).float() for head, h in zip(heads, hidden)]
+            yield batch, [lm_head(m)(h[first : first + step]).float() for m, h in zip(models, hidden)]
 
 
 def predicted_hidden(model, batch: Batch) -> torch.Tensor:
@@ -141,10 +140,15 @@ def predicted_hidden(model, batch: Batch) -> torch.Tensor:
     return out.hidden_states[-1].flatten(0, 1).index_select(0, batch.predict_index)
 
 
+def lm_head(model) -> torch.nn.Module:
+    """The model's LM head, through a data-parallel wrapper."""
+    return getattr(model, "module", model).get_output_embeddings()
+
+
 def predicted_logits(model, batch: Batch) -> torch.Tensor:
     """The model's logits [N, V] at the batch's response positions only: its LM head (V = 49,152 columns
     for SmolLM2) runs on those instead of on every prompt and padding position."""
-    return getattr(model, "module", model).get_output_embeddings()(predicted_hidden(model, batch))
+    return lm_head(model)(predicted_hidden(model, batch))
 
 
 class KeptStates:
@@ -208,7 +212,7 @@ class DraftObjective:
 
     def loss(self, student, target, batch: Batch) -> torch.Tensor:
         needs_target = self.online or (batch.topk_ids is None and self.cfg.loss.value != "hard_label")
-        head = getattr(student, "module", student).get_output_embeddings()  # under a data-parallel wrapper too
+        head = lm_head(student)
         if self.cfg.loss_chunk_size == 0 or head.bias is not None:
             return self._whole_loss(student, target, batch, needs_target)
         with record_function("draft forward"):  # names in benchmarks/profile_train.py --profile
@@ -258,7 +262,7 @@ class DraftObjective:
         The logits are made distill.loss_chunk_size positions at a time: whole, a batch of 128 rows over
         Qwen2.5's 151,936 tokens is 11 GB a float32 copy, and an evaluation held four (OOM on an H100)."""
         self.kept.keep(rows)
-        student_head, target_head = getattr(student, "module", student).get_output_embeddings(), target.get_output_embeddings()
+        student_head, target_head = lm_head(student), target.get_output_embeddings()
         total_tvd, total_loss, count = 0.0, 0.0, 0
         for start in range(0, len(rows), self.cfg.batch_size):
             batch = collate(rows[start : start + self.cfg.batch_size], self.cfg.max_seq_len, torch.device(device))
