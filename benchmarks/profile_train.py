@@ -102,7 +102,7 @@ def one_run(
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
     distiller.train()
-    # the last step's rate is read at once, not one step later: it times nothing
+    # the last step is read at once and timed from its own start, the others between reads: left out
     return [rate for step, rate in seen if warmup < step < cfg.max_steps], 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 

@@ -58,6 +58,19 @@ def coverage(token_lists: Iterable[list[int]], vocab: list[int]) -> float:
     return sum(t in members for t in tokens) / max(1, len(tokens))
 
 
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def coverage_by_size(train_lists: list[list[int]], eval_lists: list[list[int]], vocab_size: int) -> dict[str, float]:
+    """The held-out coverage of the draft vocabulary chosen from the training answers, at each of COVERAGE_SIZES
+    smaller than the target's vocabulary: what a larger or smaller draft vocabulary would lose or win, at most."""
+    return {
+        str(size): round(coverage(eval_lists, draft_vocabulary(train_lists, vocab_size, size)), 4)
+        for size in COVERAGE_SIZES
+        if size < vocab_size
+    }
+
+
 def write_vocab(out_dir: Path, vocab: list[int], covered: float) -> None:
     (out_dir / VOCAB_FILE).write_text(json.dumps({"size": len(vocab), "coverage": covered, "token_ids": vocab}))
 

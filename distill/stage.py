@@ -45,8 +45,15 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     state = PartialState(cpu=cfg.device.value == "cpu")  # one process, or one per rank under a launcher
     device = pick_device(cfg.device.value)
     vocab_size = read_config(target_dir)["vocab_size"]
-    vocab = eagle.draft_vocabulary((r["response_ids"] for r in train_rows), vocab_size, cfg.draft.vocab_size)
-    covered = eagle.coverage((r["response_ids"] for r in eval_rows), vocab)
+    train_answers, eval_answers = [r["response_ids"] for r in train_rows], [r["response_ids"] for r in eval_rows]
+    vocab = eagle.draft_vocabulary(train_answers, vocab_size, cfg.draft.vocab_size)
+    covered = eagle.coverage(eval_answers, vocab)
+    by_size = eagle.coverage_by_size(train_answers, eval_answers, vocab_size) if len(vocab) < vocab_size else {}
+    if by_size:
+        sizes = ", ".join(f"{size}: {share:.1%}" for size, share in by_size.items())
+        log.info(
+            "distill: the draft vocabulary (%d tokens) holds %.1f%% of the held-out answers' tokens (%s)", len(vocab), 100 * covered, sizes
+        )
     online = cfg.distill.loss.value != "hard_label" and "topk_ids" not in train_rows[0]  # else the logit cache
     # training on a CPU runs without autocast: there the target computes in the student's float32
     dtype = compute_dtype(cfg.target.dtype.value, device) if device.startswith("cuda") else torch.float32
@@ -100,6 +107,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         "tokens_per_s_stage": round(result["tokens_this_run"] / (time.time() - started), 1),  # loading, compiling, evaluations too
         "draft_vocab_size": len(vocab),
         "draft_vocab_coverage": round(covered, 4),
+        "draft_vocab_coverage_by_size": by_size,  # held-out answers' tokens that other sizes would hold
         **{k: v for k, v in kept.items() if k.startswith(("eval_alpha", "eval_tau"))},
         "history": result["history"],
     }

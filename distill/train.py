@@ -440,12 +440,14 @@ class Distiller:
         with Progress(*columns, disable=not self.accelerator.is_main_process) as bar:
             task = bar.add_task("distill", total=cfg.max_steps, completed=step, loss=float("nan"))
 
-            def report(done: int, loss: torch.Tensor, step_tokens: int, lr: float) -> None:
-                """Read a step's loss (waiting for the device to finish it) and log it."""
+            def report(done: int, loss: torch.Tensor, step_tokens: int, lr: float, since: float | None = None) -> None:
+                """Read a step's loss (waiting for the device to finish it) and log it, with its rate over the time
+                since the last read (since: since the step began, for a step read at once, not one step later)."""
                 nonlocal loss_value, reported_at
                 loss_value, now = loss.item(), time.time()
                 bar.update(task, loss=loss_value)
-                self.log(done, {"train_loss": loss_value, "lr": lr, "tokens_per_s": step_tokens / max(now - reported_at, 1e-9)})
+                seconds = now - (reported_at if since is None else since)
+                self.log(done, {"train_loss": loss_value, "lr": lr, "tokens_per_s": step_tokens / max(seconds, 1e-9)})
                 reported_at = now
 
             while step < cfg.max_steps:
@@ -470,7 +472,7 @@ class Distiller:
                 pending = (step, step_loss, tokens - step_tokens, self.scheduler.get_last_lr()[0])
                 evaluating = step % cfg.eval_every == 0 or step == cfg.max_steps
                 if evaluating:
-                    report(*pending)
+                    report(*pending, since=step_started)
                     pending = None
                 train_seconds += time.time() - step_started
                 if evaluating:

@@ -231,6 +231,9 @@ def test_draft_vocabulary_is_the_most_frequent_tokens_then_the_lowest_ids():
     assert eagle.draft_vocabulary(data, 20, 6) == [0, 1, 3, 5, 7, 9]  # 4 seen, then the lowest unseen
     assert eagle.draft_vocabulary(data, 20, 0) == list(range(20))
     assert eagle.coverage(data, [5, 9]) == pytest.approx(6 / 8)
+    # the size sweep: tokens 0-1499 twice each, then 1500-2499 once; sizes under the target's 3,000 tokens only
+    train = [[t, t] for t in range(1500)] + [[t] for t in range(1500, 2500)]
+    assert eagle.coverage_by_size(train, [[10, 1100, 2400, 2999]], 3000) == {"1024": 0.25, "2048": 0.5}
     with pytest.raises(eagle.EagleConfigError, match="draft.aux_layers"):
         eagle.resolve_aux_layers([1, 40], 30)
     assert eagle.resolve_aux_layers([], 30) == (2, 15, 27)  # vLLM's default: an early, a middle and a late layer
