@@ -18,6 +18,29 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "s
 # also makes "granite", which the runtime does not implement (the transformers fallback's tests)
 
 
+def tiny_distill_config(teacher: dict | None = None, **overrides):
+    """A distill config for a few training steps on the CPU; keyword arguments override its fields, `teacher` its
+    teacher config's."""
+    from draftsmith.pipeline.config import DistillConfig, DistillLoss, TeacherConfig
+
+    teacher_config = dict(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8)
+    fields = dict(
+        teacher=TeacherConfig(**{**teacher_config, **(teacher or {})}),
+        loss=DistillLoss.forward_kl,
+        temperature=1.0,
+        jsd_beta=0.5,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        max_steps=1,
+        batch_size=8,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        eval_every=1,
+        max_seq_len=24,
+    )
+    return DistillConfig(**{**fields, **overrides})
+
+
 def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
     from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 

@@ -10,9 +10,9 @@ from draftsmith.distill.draft import DraftError, build_draft, build_from_target
 from draftsmith.distill.stage import with_lora
 from draftsmith.distill.tokenizer import TokenizerMismatch, check_same_tokenizer
 from draftsmith.distill.train import Distiller, DraftObjective, collate
-from draftsmith.pipeline.config import DistillConfig, DistillLoss, DraftConfig, DraftInit, LayerChoice, TeacherConfig
+from draftsmith.pipeline.config import DistillLoss, DraftConfig, DraftInit, LayerChoice
 from draftsmith.serve.weights import load_model
-from tests.conftest import save_tiny_model
+from tests.conftest import save_tiny_model, tiny_distill_config
 
 
 def draft_config(init, **kw):
@@ -100,19 +100,8 @@ def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_p
     draft_dir = build_draft(draft_config("pretrained", pretrained_path=str(small), lora_rank=4), tiny_chat_target, tmp_path / "d", seed=0)
     draft = with_lora(AutoModelForCausalLM.from_pretrained(draft_dir), 4)
     rows = [{"prompt_ids": [1, 5, 6, 7], "response_ids": [8, 9, 10, 2], "split": "train"}] * 4
-    cfg = DistillConfig(
-        teacher=TeacherConfig(max_new_tokens=4, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=2),
-        loss=DistillLoss.hard_label,
-        temperature=1.0,
-        jsd_beta=0.5,
-        learning_rate=1e-2,
-        warmup_steps=0,
-        max_steps=3,
-        batch_size=2,
-        grad_accum_steps=1,
-        max_grad_norm=1.0,
-        eval_every=3,
-        max_seq_len=32,
+    cfg = tiny_distill_config(
+        teacher={"max_new_tokens": 4, "batch_size": 2}, loss=DistillLoss.hard_label, max_steps=3, batch_size=2, eval_every=3, max_seq_len=32
     )
     distiller = Distiller(cfg, draft, None, DraftObjective(cfg, online=False), rows, rows, tmp_path / "work", seed=0, cpu=True)
     result = distiller.train()
@@ -143,17 +132,12 @@ def test_a_draft_that_training_makes_worse_ships_as_it_began(tiny_models, tmp_pa
         {"prompt_ids": torch.randint(3, 97, (6,), generator=g).tolist(), "response_ids": torch.randint(3, 97, (8,), generator=g).tolist()}
         for _ in range(8)
     ]
-    cfg = DistillConfig(
-        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=4),
+    cfg = tiny_distill_config(
+        teacher={"batch_size": 4},
         loss=DistillLoss.hard_label,
-        temperature=1.0,
-        jsd_beta=0.5,
         learning_rate=5e-2,
-        warmup_steps=0,
         max_steps=6,
         batch_size=4,
-        grad_accum_steps=1,
-        max_grad_norm=1.0,
         eval_every=3,
         max_seq_len=32,
         keep_best=keep_best,
@@ -238,21 +222,7 @@ def test_on_policy_training_scores_the_drafts_samples_with_the_target(tiny_model
         }
         for _ in range(24)
     ]  # a cache on-policy rows cannot use
-    cfg = DistillConfig(
-        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=1, batch_size=8),
-        loss=DistillLoss.forward_kl,
-        temperature=1.0,
-        jsd_beta=0.5,
-        learning_rate=1e-2,
-        warmup_steps=0,
-        max_steps=30,
-        batch_size=8,
-        grad_accum_steps=1,
-        max_grad_norm=1.0,
-        eval_every=30,
-        max_seq_len=32,
-        on_policy_fraction=1.0,
-    )
+    cfg = tiny_distill_config(teacher={"top_k_logits": 1}, max_steps=30, eval_every=30, max_seq_len=32, on_policy_fraction=1.0)
     held_out = [{k: r[k] for k in ("prompt_ids", "response_ids")} for r in rows[:8]]
     losses = []  # each step's loss on fresh samples of the draft, scored by the target
     distiller = Distiller(
@@ -299,20 +269,11 @@ def test_the_chunked_loss_equals_the_whole_one_and_so_do_its_gradients(tiny_mode
             row.update(topk_ids=torch.randint(3, 97, (n_response, 4), generator=g).tolist(), topk_logprobs=logprobs.tolist())
         rows.append(row)
     batch = collate(rows, 64, torch.device("cpu"))
-    cfg = DistillConfig(
-        teacher=TeacherConfig(
-            max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=4 if cached else 0, batch_size=8
-        ),
+    cfg = tiny_distill_config(
+        teacher={"top_k_logits": 4 if cached else 0},
         loss=DistillLoss(loss),
         temperature=1.7,
         jsd_beta=0.3,
-        learning_rate=1e-2,
-        warmup_steps=0,
-        max_steps=1,
-        batch_size=8,
-        grad_accum_steps=1,
-        max_grad_norm=1.0,
-        eval_every=1,
         max_seq_len=64,
         loss_chunk_size=4,
     )
@@ -351,20 +312,7 @@ def test_packed_rows_train_exactly_as_padded_rows(tiny_models):
         {"prompt_ids": torch.randint(3, 97, (p,), generator=g).tolist(), "response_ids": torch.randint(3, 97, (r,), generator=g).tolist()}
         for p, r in [(5, 7), (9, 3), (4, 11), (3, 2), (6, 9), (2, 4)]
     ]
-    cfg = DistillConfig(
-        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8),
-        loss=DistillLoss.tvd,
-        temperature=1.0,
-        jsd_beta=0.5,
-        learning_rate=1e-2,
-        warmup_steps=0,
-        max_steps=1,
-        batch_size=8,
-        grad_accum_steps=1,
-        max_grad_norm=1.0,
-        eval_every=1,
-        max_seq_len=24,
-    )
+    cfg = tiny_distill_config(loss=DistillLoss.tvd)
     results = []
     for pack in (True, False):
         batch = collate(rows, 24, torch.device("cpu"), pack=pack)
@@ -398,21 +346,7 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
     ]
     runs = []
     for compiled in (False, True):
-        cfg = DistillConfig(
-            teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8),
-            loss=DistillLoss.tvd,
-            temperature=1.0,
-            jsd_beta=0.5,
-            learning_rate=1e-2,
-            warmup_steps=0,
-            max_steps=3,
-            batch_size=8,
-            grad_accum_steps=1,
-            max_grad_norm=1.0,
-            eval_every=3,
-            max_seq_len=24,
-            compile=compiled,
-        )
+        cfg = tiny_distill_config(loss=DistillLoss.tvd, max_steps=3, eval_every=3, compile=compiled)
         seen = []
         distiller = Distiller(
             cfg,
@@ -466,20 +400,7 @@ def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(t
         }
         for i in range(7)
     ]
-    cfg = DistillConfig(
-        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8),
-        loss=DistillLoss.jsd,
-        temperature=1.0,
-        jsd_beta=0.5,
-        learning_rate=1e-2,
-        warmup_steps=0,
-        max_steps=1,
-        batch_size=3,
-        grad_accum_steps=1,
-        max_grad_norm=1.0,
-        eval_every=1,
-        max_seq_len=32,
-    )
+    cfg = tiny_distill_config(loss=DistillLoss.jsd, batch_size=3, max_seq_len=32)
     layer_calls = []
     target.model.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
     objective = DraftObjective(cfg, online=True)
@@ -536,20 +457,7 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
         }
         for _ in range(12)
     ]
-    base = DistillConfig(
-        teacher=TeacherConfig(max_new_tokens=8, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=8),
-        loss=DistillLoss.forward_kl,
-        temperature=1.0,
-        jsd_beta=0.5,
-        learning_rate=1e-2,
-        warmup_steps=0,
-        max_steps=6,
-        batch_size=4,
-        grad_accum_steps=1,
-        max_grad_norm=1.0,
-        eval_every=6,
-        max_seq_len=24,
-    )
+    base = tiny_distill_config(max_steps=6, batch_size=4, eval_every=6)
     runs = {}
     for gib in (0.0, 1.0):
         cfg = replace(base, target_states_gib=gib)

@@ -11,29 +11,24 @@ import torch
 
 from draftsmith.distill import eagle
 from draftsmith.distill.train import Distiller
-from draftsmith.pipeline.config import DistillConfig, DistillLoss, TeacherConfig
+from draftsmith.pipeline.config import DistillConfig
 from draftsmith.serve.eagle import load_head
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.proposers import EagleProposer
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.weights import load_model
-from tests.conftest import save_tiny_head
+from tests.conftest import save_tiny_head, tiny_distill_config
 from tests.test_sampling import PROMPT, SAMPLES, VOCAB, chi_square_p, exact_joint, small_vocab_models  # noqa: F401
 from tests.test_speculative import random_prompts
 
 
 def distill_config(max_steps: int = 150, eval_every: int = 50) -> DistillConfig:
-    return DistillConfig(
-        teacher=TeacherConfig(max_new_tokens=24, temperature=0.0, extra_samples=0, sample_temperature=0.8, top_k_logits=0, batch_size=16),
-        loss=DistillLoss.forward_kl,
-        temperature=1.0,
-        jsd_beta=0.5,
+    return tiny_distill_config(
+        teacher={"max_new_tokens": 24, "batch_size": 16},
         learning_rate=3e-3,
         warmup_steps=5,
         max_steps=max_steps,
         batch_size=16,
-        grad_accum_steps=1,
-        max_grad_norm=1.0,
         eval_every=eval_every,
         max_seq_len=64,
     )
