@@ -49,8 +49,6 @@ HEAD_VARIANTS = {  # --head: an EAGLE-3 head (preset=eagle3_sweep's: one layer, 
         "length_group_steps": 3,
     },
 }
-WHOLE = "head, every step at every entry, compiled"  # the unroll before its later steps ran at the window only
-HEAD_VARIANTS[WHOLE] = HEAD_VARIANTS["head, chunked, compiled"]
 HEAD_STEPS, HEAD_VOCAB = 7, 8192
 
 
@@ -67,7 +65,7 @@ def synthetic_rows(n: int, vocab: int, seed: int) -> list[dict]:
 
 
 def one_run(
-    cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool, whole: bool = False
+    cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool
 ) -> tuple[list[float], float]:
     """(training tokens/s of each step after the warm-up, peak GPU memory in GiB) of a fresh draft and a freshly
     loaded target (distill.compile compiles the target's layers in place); draft_dir None: an EAGLE-3 head."""
@@ -84,7 +82,7 @@ def one_run(
         head, layer_config = eagle.build_head(target_dir, 1, aux, list(range(HEAD_VOCAB)), seed=0)
         objective = eagle.EagleObjective(cfg, aux, list(range(HEAD_VOCAB)), layer_config, {})
         chunk = eagle.loss_chunk(cfg.loss_chunk_size, target.config.vocab_size, HEAD_VOCAB)
-        draft = eagle.UnrolledHead(head, target.get_input_embeddings(), HEAD_STEPS, 0.8, chunk=chunk, windowed=not whole)
+        draft = eagle.UnrolledHead(head, target.get_input_embeddings(), HEAD_STEPS, 0.8, chunk=chunk)
     else:
         draft, objective = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), DraftObjective(cfg, online=True)
     distiller = Distiller(
@@ -106,14 +104,14 @@ def one_run(
     return [rate for step, rate in seen if warmup < step < cfg.max_steps], 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 
-def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], work: Path, cpu: bool, whole: bool = False) -> str:
+def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], work: Path, cpu: bool) -> str:
     """The heaviest operations of a run of `cfg` by GPU time, the trainer's own phases (target forward,
     draft forward, chunked loss, backward) among them."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu, whole)
+        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu)
     return prof.key_averages().table(sort_by="cuda_time_total" if not cpu else "cpu_time_total", row_limit=25, max_name_column_width=60)
 
 
@@ -153,7 +151,7 @@ def main() -> None:
             started = time.time()
             try:
                 timed, memory[name] = one_run(
-                    replace(base, **variants[name]), target_dir, draft_dir, rows, args.warmup, Path(tmp) / name, cpu, name == WHOLE
+                    replace(base, **variants[name]), target_dir, draft_dir, rows, args.warmup, Path(tmp) / name, cpu
                 )
             except Exception as error:  # a variant that fails here is reported, the others still run
                 print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
@@ -161,9 +159,7 @@ def main() -> None:
             rates[name] = [statistics.harmonic_mean(timed[i : i + args.steps]) for i in range(0, len(timed), args.steps)]
             print(f"{name}: {', '.join(f'{r:,.0f}' for r in rates[name])} tokens/s ({time.time() - started:.0f} s)", flush=True)
         if args.profile:
-            print(
-                profile(replace(base, **variants[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu, names[-1] == WHOLE)
-            )
+            print(profile(replace(base, **variants[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu))
     baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
     print(
         f"\nbatch {args.batch} rows, {args.repeats} windows of {args.steps} timed steps after {args.warmup}; "

@@ -156,28 +156,42 @@ class UnrollIndex:
 class UnrolledHead(nn.Module):
     """The head unrolled for training: forward returns the loss and, when asked, per-step metrics (a module of
     its own so that data-parallel training sees one forward). The token embedding is the target's, frozen.
-    The unroll itself (every step's layers and final norm) is one function that distill.compile compiles;
-    the loss over the draft vocabulary runs chunk by chunk after it (distill.loss_chunk_size). windowed=False runs
-    every step at every entry (the same loss and gradient, more work: the unroll's definition, for comparison)."""
+    The unroll (every step's layers and final norm) is two functions that distill.compile compiles: step 0,
+    whose attention stays outside compiled code, and the later steps, one graph; the loss over the draft
+    vocabulary runs chunk by chunk after it (distill.loss_chunk_size). windowed=False runs every step at every
+    entry, eagerly (the same loss and gradient, more work: the unroll's definition, for comparison)."""
 
     def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float, chunk: int = 0, windowed: bool = True):
         super().__init__()
         self.head, self.steps, self.decay, self.chunk, self.windowed = head, steps, decay, chunk, windowed
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
-        self.__dict__["states"] = self._states  # distill.compile: compile_training replaces it
+        self.__dict__["compiled"] = None  # distill.compile: (step 0, the later steps), compiled by compile_training
 
     def compile_training(self) -> None:
-        """torch.compile the unroll whole (dynamic shapes: rows differ in length batch to batch), for training steps:
-        held-out passes run it eagerly, as a no-grad call would compile it a second time."""
-        self.__dict__["states"] = torch.compile(self._states, dynamic=True)
+        """torch.compile the windowed unroll's two parts (dynamic shapes: rows differ in length batch to batch), for
+        training steps: held-out passes run them eagerly, as a no-grad call would compile them a second time."""
+        self.__dict__["compiled"] = (torch.compile(self._first, dynamic=True), torch.compile(self._later, dynamic=True))
 
-    def _states(self, tokens: Tensor, features: Tensor, window: Tensor | None, at: tuple[Tensor, ...]) -> list[Tensor]:
-        """Step j's normalised hidden states at its entries `at[j]` [N_j, hidden] (what the LM head reads)."""
-        head = self.head
-        return [
-            head.norm(hidden.flatten(0, 1).index_select(0, where))
-            for where, hidden in zip(at, head.unroll(tokens, features, self.embeddings, self.steps, window))
-        ]
+    def _first(self, tokens: Tensor, features: Tensor, where: Tensor) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+        """(Step 0's normalised hidden states at its entries `where` [N_0, hidden], what the LM head reads; its
+        hidden states and keys and values, what the later steps read)."""
+        hidden, first = self.head.first_step(tokens, features, self.embeddings)
+        return self.head.norm(hidden.flatten(0, 1).index_select(0, where)), hidden, first
+
+    def _later(self, hidden: Tensor, first: list, tokens: Tensor, window: Tensor, at: tuple[Tensor, ...]) -> list[Tensor]:
+        """Steps 1 and later's normalised hidden states at their entries `at[j]` (into [B * W])."""
+        steps = self.head.later_steps(hidden, first, tokens, self.embeddings, self.steps, window)
+        return [self.head.norm(h.flatten(0, 1).index_select(0, where)) for where, h in zip(at, steps)]
+
+    def _states(self, tokens: Tensor, features: Tensor, index: UnrollIndex) -> list[Tensor]:
+        """Step j's normalised hidden states at its entries [N_j, hidden]."""
+        if not self.windowed:
+            unrolled = self.head.unroll(tokens, features, self.embeddings, self.steps)
+            return [self.head.norm(h.flatten(0, 1).index_select(0, where)) for where, h in zip(index.entries, unrolled)]
+        compiled = self.compiled is not None and torch.is_grad_enabled()  # held-out passes: no second compilation
+        first, later = self.compiled if compiled else (self._first, self._later)
+        normed, hidden, kv = first(tokens, features, index.at[0])
+        return [normed, *later(hidden, kv, tokens, index.window, index.at[1:])]
 
     def forward(
         self, tokens: Tensor, features: Tensor, target_logits: Tensor, index: UnrollIndex, loss_fn, labels: Tensor | None = None
@@ -190,9 +204,7 @@ class UnrolledHead(nn.Module):
         loss = weight.new_zeros((), dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
         correct = None  # [B * E]: every step so far agreed
-        window, at = (index.window, index.at) if self.windowed else (None, index.entries)
-        states = self.states if torch.is_grad_enabled() else self._states  # held-out passes: no second compilation
-        for j, hidden in enumerate(states(tokens, features, window, at)):
+        for j, hidden in enumerate(self._states(tokens, features, index)):
             p = target_logits if index.picks[j] is None else target_logits.index_select(0, index.picks[j])
             q = None
             if self.chunk > 0 and torch.is_grad_enabled():  # training: the logits never whole

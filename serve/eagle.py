@@ -110,55 +110,45 @@ class EagleLayer(nn.Module):
         cos: Tensor,
         sin: Tensor,
         entries: Tensor,
-        first: list[tuple[Tensor, Tensor]],
-        own: list[tuple[Tensor, Tensor]] | None,
+        first: tuple[Tensor, Tensor],
+        own: list[tuple[Tensor, Tensor]],
     ) -> Tensor:
-        """A training-time-test step at entries [B, W] (their states [B, W, hidden]), attending as unrolled() lets it:
-        own None (the first step, at every entry): to the first step's keys up to the entry, which it writes to
-        `first` ([B, H_kv, E, D]); else to those and to the entry's own at the steps since (`own`, this step's
-        appended). Written out, so that a compiled unroll is one graph."""
+        """A training-time-test step after the first over a window of entries [B, W, hidden]: entry `entries` [B, W]
+        attends to the first step's keys and values up to it (`first`, [B, H_kv, E, D]) and to its own at the
+        steps since (`own`, this step's appended): the keys unrolled() would let through, and no others."""
         x, residual = self.attention_input(h, embeds)
         q, k, v = self.attention.project(x, cos, sin)
-        own_keys = own_values = None
-        if own is None:
-            first.append((k.transpose(1, 2), v.transpose(1, 2)))
-        else:
-            own.append((k, v))  # [B, W, H_kv, D]
-            own_keys, own_values = (torch.stack(parts, dim=2) for parts in zip(*own))  # [B, W, j, H_kv, D]
-        h = residual + window_attention(self.attention, q, *first[0], entries, own_keys, own_values)
+        own.append((k, v))  # [B, W, H_kv, D]
+        own_keys, own_values = (torch.stack(parts, dim=2) for parts in zip(*own))  # [B, W, j, H_kv, D]
+        h = residual + window_attention(self.attention, q, *first, entries, own_keys, own_values)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 @torch.compiler.disable
 def _attend_eagerly(attention: Attention, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """The whole unroll's attention (unrolled(): the definition, and the evaluate stage's acceptance), kept out of
-    compiled code: inside a compiled unroll, inductor stopped on an AssertionError on an H200 (torch 2.11, dynamic
-    shapes). Training's windowed steps attend through window_attention, which compiles."""
+    """Attention over whole sequences (the first step's, and every step's in the whole unroll), outside compiled code:
+    with it inside a compiled unroll, inductor stopped on an AssertionError on an H200 (torch 2.11, dynamic shapes),
+    once with SDPA and a mask, once written out (2026-12-06). The later steps' window_attention compiles."""
     return attention.attend(q, keys, values, mask)
 
 
 def window_attention(
-    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor | None, own_values: Tensor | None
+    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor
 ) -> Tensor:
-    """Training-time test's attention, written out: q [B, W, H, D] at entries [B, W] over the first step's keys,
-    values [B, H_kv, E, D] up to the query's entry and, at a step j >= 1, over its own entry's at steps 1..j
+    """Training-time test's attention at a step j >= 1, written out: q [B, W, H, D] at entries [B, W] over the first
+    step's keys, values [B, H_kv, E, D] up to the query's entry, and over its own entry's at steps 1..j
     (own_keys, own_values [B, W, j, H_kv, D]), one softmax over both: E + j scores a query, where a mask over
     every step's whole keys gives (j + 1) E. -> [B, W, hidden]."""
     B, W, H, D = q.shape
     kv_heads, E = keys.shape[1], keys.shape[2]
     q = q.view(B, W, kv_heads, H // kv_heads, D)  # query head h reads KV head h // groups
-    scores = torch.einsum("bwkgd,bkud->bkgwu", q, keys)
-    unseen = torch.arange(E, device=q.device) > entries.unsqueeze(-1)  # [B, W, E]: the first step's keys past the entry
-    if own_keys is not None:
-        scores = torch.cat([scores, torch.einsum("bwkgd,bwjkd->bkgwj", q, own_keys)], dim=-1)
-        unseen = F.pad(unseen, (0, own_keys.shape[2]))
+    scores = torch.cat([torch.einsum("bwkgd,bkud->bkgwu", q, keys), torch.einsum("bwkgd,bwjkd->bkgwj", q, own_keys)], dim=-1)
     scores = scores.float() * attention.scale
     if attention.args.attn_softcap:
         scores = torch.tanh(scores / attention.args.attn_softcap) * attention.args.attn_softcap
-    p = scores.masked_fill(unseen[:, None, None], float("-inf")).softmax(-1).to(values.dtype)
-    y = torch.einsum("bkgwu,bkud->bwkgd", p[..., :E], values)
-    if own_values is not None:
-        y = y + torch.einsum("bkgwj,bwjkd->bwkgd", p[..., E:], own_values)
+    unseen = torch.arange(E, device=q.device) > entries.unsqueeze(-1)  # [B, W, E]: the first step's keys past the entry
+    p = scores.masked_fill(F.pad(unseen, (0, own_keys.shape[2]))[:, None, None], float("-inf")).softmax(-1).to(values.dtype)
+    y = torch.einsum("bkgwu,bkud->bwkgd", p[..., :E], values) + torch.einsum("bkgwj,bwjkd->bwkgd", p[..., E:], own_values)
     return attention.wo(y.reshape(B, W, H * D))
 
 
@@ -204,30 +194,51 @@ class EagleHead(CachedModel):
         ..., steps - 1. Step j's entry t stands for position t + j: it reads the token at t + j + 1 (the
         data's: a draft is only continued where the earlier ones were accepted) and its own step j - 1
         output, and attends to step 0's entries up to t and to its own earlier steps, exactly what an
-        inference step's cache holds; it predicts the token at t + j + 2. window [B, W] (entries of each row):
-        the steps after the first run at these entries only and yield [B, W, hidden] (step 0 runs at every
-        entry: its keys are every later step's); an entry's value at a step depends only on its own at the
-        steps before and on step 0's."""
+        inference step's cache holds; it predicts the token at t + j + 2. window [B, W]: the steps after the
+        first run as later_steps() runs them."""
+        hidden, first = self.first_step(tokens, features, embeddings)
+        yield hidden
+        if window is not None:
+            yield from self.later_steps(hidden, first, tokens, embeddings, steps, window)
+            return
+        E = tokens.shape[1] - 1
+        positions = torch.arange(E, device=tokens.device).unsqueeze(0)
+        caches = [[kv] for kv in first]
+        for j in range(1, steps):
+            embeds = embeddings(F.pad(tokens[:, j + 1 :], (0, j))).to(hidden.dtype)  # [B, E]: the token at t + j + 1
+            cos, sin = rope_at(self.args, positions + j, hidden.dtype)
+            mask = ttt_mask(E, j, tokens.device)
+            for layer, cache in zip(self.layers, caches):
+                hidden = layer.unrolled(hidden, embeds, cos, sin, mask, cache)
+            yield hidden
+
+    def first_step(self, tokens: Tensor, features: Tensor, embeddings: nn.Module) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """Training-time test's step 0 at every entry: its hidden states [B, E, hidden] and each layer's keys and
+        values [B, H_kv, E, D], which every later step attends to."""
         E = tokens.shape[1] - 1
         hidden = self.fc(features[:, :E])
+        embeds = embeddings(tokens[:, 1:]).to(hidden.dtype)  # [B, E]: the token at t + 1
+        cos, sin = rope_at(self.args, torch.arange(E, device=tokens.device).unsqueeze(0), hidden.dtype)
+        mask = ttt_mask(E, 0, tokens.device)
         caches: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
-        positions = torch.arange(E, device=tokens.device).unsqueeze(0)
+        for layer, cache in zip(self.layers, caches):
+            hidden = layer.unrolled(hidden, embeds, cos, sin, mask, cache)
+        return hidden, [cache[0] for cache in caches]
+
+    def later_steps(
+        self, hidden: Tensor, first: list[tuple[Tensor, Tensor]], tokens: Tensor, embeddings: nn.Module, steps: int, window: Tensor
+    ) -> Iterator[Tensor]:
+        """Training-time test's steps 1 .. steps - 1 from step 0's hidden states [B, E, hidden] and keys and values
+        (`first`), run only at each row's window of entries [B, W] and yielding [B, W, hidden]: an entry's value at
+        a step depends only on its own at the steps before and on step 0's."""
+        E = tokens.shape[1] - 1
+        hidden = hidden.gather(1, window.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         owns: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
-        at = positions.expand(tokens.shape[0], E)  # the entries a step runs at: every one, then the window's
-        for j in range(steps):
-            if window is None:
-                embeds = embeddings(F.pad(tokens[:, j + 1 :], (0, j))).to(hidden.dtype)  # [B, E]: the token at t + j + 1
-                cos, sin = rope_at(self.args, positions + j, hidden.dtype)
-                mask = ttt_mask(E, j, tokens.device)
-                for layer, cache in zip(self.layers, caches):
-                    hidden = layer.unrolled(hidden, embeds, cos, sin, mask, cache)
-            else:
-                if j == 1:
-                    hidden, at = hidden.gather(1, window.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), window
-                embeds = embeddings(tokens.gather(1, (at + j + 1).clamp(max=E))).to(hidden.dtype)
-                cos, sin = rope_at(self.args, at + j, hidden.dtype)
-                for layer, first, own in zip(self.layers, caches, owns):
-                    hidden = layer.windowed(hidden, embeds, cos, sin, at, first, own if j else None)
+        for j in range(1, steps):
+            embeds = embeddings(tokens.gather(1, (window + j + 1).clamp(max=E))).to(hidden.dtype)
+            cos, sin = rope_at(self.args, window + j, hidden.dtype)
+            for layer, kv, own in zip(self.layers, first, owns):
+                hidden = layer.windowed(hidden, embeds, cos, sin, window, kv, own)
             yield hidden
 
 
