@@ -110,8 +110,8 @@ def one_run(
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
     distiller.train()
-    # the last step is read at once and timed from its own start, the others between reads: left out
-    # from the warm-up's last step (a baseline for one_time_work) on
+    # from the warm-up's last step (one_time_work's baseline) on; the last step, read at once and timed from its own
+    # start where the others are timed between reads, left out
     return [facts for step, *facts in seen if warmup <= step < cfg.max_steps], 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 
