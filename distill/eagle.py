@@ -43,7 +43,10 @@ def draft_vocabulary(token_lists: Iterable[list[int]], vocab_size: int, size: in
     >= vocab_size: the whole vocabulary."""
     if size <= 0 or size >= vocab_size:
         return list(range(vocab_size))
-    counts = Counter(t for tokens in token_lists for t in tokens)
+    return _most_frequent(Counter(t for tokens in token_lists for t in tokens), vocab_size, size)
+
+
+def _most_frequent(counts: Counter, vocab_size: int, size: int) -> list[int]:
     chosen = {t for t, _ in counts.most_common(size)}
     filler = (t for t in range(vocab_size) if t not in chosen)
     while len(chosen) < size:
@@ -64,8 +67,11 @@ COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 def coverage_by_size(train_lists: list[list[int]], eval_lists: list[list[int]], vocab_size: int) -> dict[str, float]:
     """The held-out coverage of the draft vocabulary chosen from the training answers, at each of COVERAGE_SIZES
     smaller than the target's vocabulary: what a larger or smaller draft vocabulary would lose or win, at most."""
+    counts = Counter(t for tokens in train_lists for t in tokens)  # counted once for every size
+    held = Counter(t for tokens in eval_lists for t in tokens)
+    total = max(1, sum(held.values()))
     return {
-        str(size): round(coverage(eval_lists, draft_vocabulary(train_lists, vocab_size, size)), 4)
+        str(size): round(sum(held[t] for t in _most_frequent(counts, vocab_size, size)) / total, 4)
         for size in COVERAGE_SIZES
         if size < vocab_size
     }
@@ -172,22 +178,26 @@ class UnrolledHead(nn.Module):
         training steps: held-out passes run them eagerly, as a no-grad call would compile them a second time."""
         self.__dict__["compiled"] = (torch.compile(self._first, dynamic=True), torch.compile(self._later, dynamic=True))
 
+    def _read(self, hidden: Tensor, where: Tensor) -> Tensor:
+        """A step's normalised hidden states [B, E or W, hidden] at its flat entries `where` (what the LM head reads)."""
+        return self.head.norm(hidden.flatten(0, 1).index_select(0, where))
+
     def _first(self, tokens: Tensor, features: Tensor, where: Tensor) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
-        """(Step 0's normalised hidden states at its entries `where` [N_0, hidden], what the LM head reads; its
-        hidden states and keys and values, what the later steps read)."""
+        """(Step 0's states read at its entries `where` [N_0, hidden]; its hidden states and keys and values, what the
+        later steps read)."""
         hidden, first = self.head.first_step(tokens, features, self.embeddings)
-        return self.head.norm(hidden.flatten(0, 1).index_select(0, where)), hidden, first
+        return self._read(hidden, where), hidden, first
 
     def _later(self, hidden: Tensor, first: list, tokens: Tensor, window: Tensor, at: tuple[Tensor, ...]) -> list[Tensor]:
-        """Steps 1 and later's normalised hidden states at their entries `at[j]` (into [B * W])."""
+        """Steps 1 and later's states read at their entries `at[j]` (into [B * W])."""
         steps = self.head.later_steps(hidden, first, tokens, self.embeddings, self.steps, window)
-        return [self.head.norm(h.flatten(0, 1).index_select(0, where)) for where, h in zip(at, steps)]
+        return [self._read(h, where) for where, h in zip(at, steps)]
 
     def _states(self, tokens: Tensor, features: Tensor, index: UnrollIndex) -> list[Tensor]:
         """Step j's normalised hidden states at its entries [N_j, hidden]."""
         if not self.windowed:
             unrolled = self.head.unroll(tokens, features, self.embeddings, self.steps)
-            return [self.head.norm(h.flatten(0, 1).index_select(0, where)) for where, h in zip(index.entries, unrolled)]
+            return [self._read(h, where) for where, h in zip(index.entries, unrolled)]
         compiled = self.compiled is not None and torch.is_grad_enabled()  # held-out passes: no second compilation
         first, later = self.compiled if compiled else (self._first, self._later)
         normed, hidden, kv = first(tokens, features, index.at[0])
