@@ -117,13 +117,19 @@ def one_run(
 
 def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], work: Path, cpu: bool) -> str:
     """The heaviest operations of a run of `cfg` by GPU time, the trainer's own phases (target forward,
-    draft forward, chunked loss, backward) among them."""
+    draft forward, chunked loss, backward) among them, then the kernels by their own GPU time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu)
-    return prof.key_averages().table(sort_by="cuda_time_total" if not cpu else "cpu_time_total", row_limit=25, max_name_column_width=60)
+    averages = prof.key_averages()
+    if cpu:
+        return averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+    # the phases (and whatever contains the most), then the kernels that take the time
+    return "\n".join(
+        averages.table(sort_by=key, row_limit=25, max_name_column_width=60) for key in ("cuda_time_total", "self_cuda_time_total")
+    )
 
 
 def main() -> None:

@@ -458,13 +458,15 @@ class Distiller:
                     batch = collate(self._on_policy(rows, step, i), cfg.max_seq_len, self.device, pack=self.pack)
                     with self.accelerator.autocast():
                         loss = self.objective.loss(self.draft, self.target, batch) / len(micro)
-                    self.accelerator.backward(loss)
+                    with record_function("backward"):  # names in benchmarks/profile_train.py --profile
+                        self.accelerator.backward(loss)
                     step_loss += loss.detach()
                     tokens += batch.num_targets * self.accelerator.num_processes
-                self.accelerator.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                with record_function("optimizer"):
+                    self.accelerator.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
                 step += 1
                 bar.update(task, completed=step)
                 if pending is not None:  # the last step's loss, read while this one runs: the host never waits idle
