@@ -74,16 +74,24 @@ def one_time_work(cpu: bool) -> tuple[int, int]:
 
 
 def one_run(
-    cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool
+    cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool, on_step=None
 ) -> tuple[list[tuple[float, int, int]], float]:
     """(the warm-up's last step and each step after it: its training tokens/s and one_time_work() as it is read,
     peak GPU memory in GiB) of a fresh draft and a freshly
-    loaded target (distill.compile compiles the target's layers in place); draft_dir None: an EAGLE-3 head."""
+    loaded target (distill.compile compiles the target's layers in place); draft_dir None: an EAGLE-3 head.
+    on_step(): called as each step's rate is read (a profiler's schedule)."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.distill.train import Distiller, DraftObjective
 
     seen: list[tuple[int, float]] = []
+
+    def log(step: int, metrics: dict) -> None:
+        if "tokens_per_s" in metrics:
+            seen.append((step, metrics["tokens_per_s"], *one_time_work(cpu)))
+            if on_step is not None:
+                on_step()
+
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32 if cpu else torch.bfloat16)
     if draft_dir is None:  # --head
         from draftsmith.distill import eagle
@@ -95,18 +103,7 @@ def one_run(
         draft = eagle.UnrolledHead(head, target.get_input_embeddings(), HEAD_STEPS, 0.8, chunk=chunk)
     else:
         draft, objective = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32), DraftObjective(cfg, online=True)
-    distiller = Distiller(
-        cfg,
-        draft,
-        target,
-        objective,
-        rows,
-        [],
-        work,
-        seed=0,
-        cpu=cpu,
-        log=lambda step, m: seen.append((step, m["tokens_per_s"], *one_time_work(cpu))) if "tokens_per_s" in m else None,
-    )
+    distiller = Distiller(cfg, draft, target, objective, rows, [], work, seed=0, cpu=cpu, log=log)
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
     distiller.train()
@@ -115,20 +112,48 @@ def one_run(
     return [facts for step, *facts in seen if warmup <= step < cfg.max_steps], 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
 
 
-def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], work: Path, cpu: bool) -> str:
-    """The heaviest operations of a run of `cfg` by GPU time, the trainer's own phases (target forward,
-    draft forward, chunked loss, backward) among them, then the kernels by their own GPU time."""
-    from torch.profiler import ProfilerActivity
+def device_busy(events) -> tuple[float, float]:
+    """(milliseconds the device ran kernels or copies, milliseconds from the first recorded event to the last) of a
+    profile: the busy time is the union of the device's intervals, the profiler's own ranges (record_function's
+    copies on the device's timeline) left out."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.time_range.end > e.time_range.start)
+    device = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+    )
+    busy, reached = 0.0, float("-inf")
+    for begin, end in device:
+        busy += max(0.0, end - max(begin, reached))
+        reached = max(reached, end)
+    return busy / 1e3, (max(end for _, end in spans) - spans[0][0]) / 1e3 if spans else 0.0
+
+
+def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool, trace: str | None) -> str:
+    """Where the steady steps' time goes: a fresh run of `cfg` whose steps after the first `warmup` + 1 run under
+    torch.profiler (compiling and the target's first pass over the rows fall in the warm-up). Returns the share of
+    that time the device was busy, the trainer's phases (target forward, draft forward, chunked loss, backward,
+    optimizer) and what they contain by GPU time, then the kernels by their own GPU time; trace: a Chrome trace
+    of the profiled steps written there."""
+    from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu)
+    active = cfg.max_steps - warmup - 2  # the last step is read at once, not as the next one runs
+    activities = [ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])
+    with torch_profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active)) as prof:
+        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu, on_step=prof.step)  # a step's rate is read as the next one runs
+    if trace:
+        prof.export_chrome_trace(trace)
     averages = prof.key_averages()
     if cpu:
         return averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
-    # the phases (and whatever contains the most), then the kernels that take the time
+    busy, wall = device_busy(prof.events())
+    tables = [averages.table(sort_by=key, row_limit=25, max_name_column_width=60) for key in ("cuda_time_total", "self_cuda_time_total")]
     return "\n".join(
-        averages.table(sort_by=key, row_limit=25, max_name_column_width=60) for key in ("cuda_time_total", "self_cuda_time_total")
+        [
+            *tables,
+            f"{active} profiled steps after {warmup + 1}: the device busy {busy:,.0f} ms of {wall:,.0f} ms ({busy / max(wall, 1e-9):.0%})",
+        ]
     )
 
 
@@ -145,8 +170,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--profile", action="store_true", help="then one more run of the last variant under torch.profiler: where a step's GPU time goes"
+        "--profile",
+        action="store_true",
+        help="then one more run of the last variant, its later steps under torch.profiler: where a step's GPU time goes",
     )
+    parser.add_argument("--trace", help="with --profile: write the profiled steps' Chrome trace (chrome://tracing, Perfetto) here")
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script, not a measurement")
     parser.add_argument("--head", action="store_true", help=f"train an EAGLE-3 head instead (default variants: {'; '.join(HEAD_VARIANTS)})")
     parser.add_argument("--variant", action="append", choices=[*VARIANTS, *HEAD_VARIANTS], help=f"default: {'; '.join(DEFAULT_VARIANTS)}")
@@ -184,7 +212,11 @@ def main() -> None:
                 flush=True,
             )
         if args.profile:
-            print(profile(replace(base, **variants[names[-1]]), target_dir, draft_dir, rows, Path(tmp) / "profiled", cpu))
+            print(
+                profile(
+                    replace(base, **variants[names[-1]]), target_dir, draft_dir, rows, args.warmup, Path(tmp) / "profiled", cpu, args.trace
+                )
+            )
     baseline = statistics.median(rates[names[0]]) if rates[names[0]] else float("nan")
     print(
         f"\nbatch {args.batch} rows, {args.repeats} windows of {args.steps} timed steps after {args.warmup}; "
