@@ -165,11 +165,22 @@ class UnrolledHead(nn.Module):
     The unroll (every step's layers and final norm) is two functions that distill.compile compiles: step 0,
     whose attention stays outside compiled code, and the later steps, one graph; the loss over the draft
     vocabulary runs chunk by chunk after it (distill.loss_chunk_size). windowed=False runs every step at every
-    entry, eagerly (the same loss and gradient, more work: the unroll's definition, for comparison)."""
+    entry, eagerly (the same loss and gradient, more work: the unroll's definition, for comparison). flex: the
+    compiled later steps attend through FlexAttention (serve/eagle.py flex_window_attention; CUDA only, and not yet
+    measured against the written-out attention: benchmarks/profile_train.py's "flex" variant)."""
 
-    def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float, chunk: int = 0, windowed: bool = True):
+    def __init__(
+        self,
+        head: EagleHead,
+        embeddings: nn.Embedding,
+        steps: int,
+        decay: float,
+        chunk: int = 0,
+        windowed: bool = True,
+        flex: bool = False,
+    ):
         super().__init__()
-        self.head, self.steps, self.decay, self.chunk, self.windowed = head, steps, decay, chunk, windowed
+        self.head, self.steps, self.decay, self.chunk, self.windowed, self.flex = head, steps, decay, chunk, windowed, flex
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
         self.__dict__["compiled"] = None  # distill.compile: (step 0, the later steps), compiled by compile_training
 
@@ -188,9 +199,11 @@ class UnrolledHead(nn.Module):
         hidden, first = self.head.first_step(tokens, features, self.embeddings)
         return self._read(hidden, where), hidden, first
 
-    def _later(self, hidden: Tensor, first: list, tokens: Tensor, window: Tensor, at: tuple[Tensor, ...]) -> list[Tensor]:
+    def _later(
+        self, hidden: Tensor, first: list, tokens: Tensor, window: Tensor, at: tuple[Tensor, ...], flex: bool = False
+    ) -> list[Tensor]:
         """Steps 1 and later's states read at their entries `at[j]` (into [B * W])."""
-        steps = self.head.later_steps(hidden, first, tokens, self.embeddings, self.steps, window)
+        steps = self.head.later_steps(hidden, first, tokens, self.embeddings, self.steps, window, flex)
         return [self._read(h, where) for where, h in zip(at, steps)]
 
     def _states(self, tokens: Tensor, features: Tensor, index: UnrollIndex) -> list[Tensor]:
@@ -201,7 +214,7 @@ class UnrolledHead(nn.Module):
         compiled = self.compiled is not None and torch.is_grad_enabled()  # held-out passes: no second compilation
         first, later = self.compiled if compiled else (self._first, self._later)
         normed, hidden, kv = first(tokens, features, index.at[0])
-        return [normed, *later(hidden, kv, tokens, index.window, index.at[1:])]
+        return [normed, *later(hidden, kv, tokens, index.window, index.at[1:], self.flex and compiled)]
 
     def forward(
         self, tokens: Tensor, features: Tensor, target_logits: Tensor, index: UnrollIndex, loss_fn, labels: Tensor | None = None

@@ -264,7 +264,8 @@ def markdown(report: dict) -> str:
         f"tau {check['measured_tau']:.4f} against the computed {check['computed_tau']:.4f} (difference "
         f"{check['difference']:+.4f}); {speed['tokens_per_s']:.1f} tokens/s against plain decoding's "
         f"{speed['plain_tokens_per_s']:.1f}{of_runs}: **{speed['measured_speedup'][report['shipped']][str(k)]:.2f}x** "
-        f"at batch {speed['batch_size']} on {report['device']}."
+        f"at batch {speed['batch_size']} on {report['device']}. The runs hold each prompt's prefill, the scheduler's "
+        "work between steps and a batch's ragged end (rows done at different steps), which the predicted speedups leave out."
         + (
             " The measured speedup came out above tau, which bounds it (the machine was busy with something "
             "else): the speedup reported is tau."

@@ -112,15 +112,18 @@ class EagleLayer(nn.Module):
         entries: Tensor,
         first: tuple[Tensor, Tensor],
         own: list[tuple[Tensor, Tensor]],
+        flex: bool = False,
     ) -> Tensor:
         """A training-time-test step after the first over a window of entries [B, W, hidden]: entry `entries` [B, W]
         attends to the first step's keys and values up to it (`first`, [B, H_kv, E, D]) and to its own at the
-        steps since (`own`, this step's appended): the keys unrolled() would let through, and no others."""
+        steps since (`own`, this step's appended): the keys unrolled() would let through, and no others. flex:
+        through flex_window_attention, else window_attention."""
         x, residual = self.attention_input(h, embeds)
         q, k, v = self.attention.project(x, cos, sin)
         own.append((k, v))  # [B, W, H_kv, D]
         own_keys, own_values = (torch.stack(parts, dim=2) for parts in zip(*own))  # [B, W, j, H_kv, D]
-        h = residual + window_attention(self.attention, q, *first, entries, own_keys, own_values)
+        attend = flex_window_attention if flex else window_attention
+        h = residual + attend(self.attention, q, *first, entries, own_keys, own_values)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -150,6 +153,34 @@ def window_attention(
     p = scores.masked_fill(F.pad(unseen, (0, own_keys.shape[2]))[:, None, None], float("-inf")).softmax(-1).to(values.dtype)
     y = torch.einsum("bkgwu,bkud->bwkgd", p[..., :E], values) + torch.einsum("bkgwj,bwjkd->bwkgd", p[..., E:], own_values)
     return attention.wo(y.reshape(B, W, H * D))
+
+
+def flex_window_attention(
+    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor
+) -> Tensor:
+    """window_attention through FlexAttention, which never writes the scores out and skips blocks of keys that no
+    query of a block reads: step 0's keys and the window's own (entry-major) side by side, [E | W x j], under a mask
+    that lets entry w read step 0's up to `entries[b, w]` and its own j. Training on CUDA only: FlexAttention has
+    no backward on a CPU."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, W, H, D = q.shape
+    kv_heads, E, j = keys.shape[1], keys.shape[2], own_keys.shape[2]
+    side_by_side = lambda first, own: torch.cat([first, own.permute(0, 3, 1, 2, 4).reshape(B, kv_heads, W * j, D)], dim=2)
+    visible = lambda b, h, w, u: torch.where(u < E, u <= entries[b, w], (u - E) // j == w)
+    cap = attention.args.attn_softcap
+    capped = (lambda score, b, h, w, u: torch.tanh(score / cap) * cap) if cap else None
+    mask = create_block_mask(visible, B, None, W, E + W * j, device=q.device)
+    y = flex_attention(
+        q.transpose(1, 2),
+        side_by_side(keys, own_keys),
+        side_by_side(values, own_values),
+        score_mod=capped,
+        block_mask=mask,
+        scale=attention.scale,
+        enable_gqa=kv_heads != H,
+    )
+    return attention.wo(y.transpose(1, 2).reshape(B, W, H * D))
 
 
 class EagleHead(CachedModel):
@@ -226,11 +257,19 @@ class EagleHead(CachedModel):
         return hidden, [cache[0] for cache in caches]
 
     def later_steps(
-        self, hidden: Tensor, first: list[tuple[Tensor, Tensor]], tokens: Tensor, embeddings: nn.Module, steps: int, window: Tensor
+        self,
+        hidden: Tensor,
+        first: list[tuple[Tensor, Tensor]],
+        tokens: Tensor,
+        embeddings: nn.Module,
+        steps: int,
+        window: Tensor,
+        flex: bool = False,
     ) -> Iterator[Tensor]:
         """Training-time test's steps 1 .. steps - 1 from step 0's hidden states [B, E, hidden] and keys and values
         (`first`), run only at each row's window of entries [B, W] and yielding [B, W, hidden]: an entry's value at
-        a step depends only on its own at the steps before and on step 0's."""
+        a step depends only on its own at the steps before and on step 0's. flex: attention through
+        flex_window_attention."""
         E = tokens.shape[1] - 1
         hidden = hidden.gather(1, window.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         owns: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
@@ -238,7 +277,7 @@ class EagleHead(CachedModel):
             embeds = embeddings(tokens.gather(1, (window + j + 1).clamp(max=E))).to(hidden.dtype)
             cos, sin = rope_at(self.args, window + j, hidden.dtype)
             for layer, kv, own in zip(self.layers, first, owns):
-                hidden = layer.windowed(hidden, embeds, cos, sin, window, kv, own)
+                hidden = layer.windowed(hidden, embeds, cos, sin, window, kv, own, flex)
             yield hidden
 
 

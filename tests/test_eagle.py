@@ -12,6 +12,7 @@ import torch
 from draftsmith.distill import eagle
 from draftsmith.distill.train import Distiller
 from draftsmith.pipeline.config import DistillConfig
+from draftsmith.serve import eagle as serve_eagle
 from draftsmith.serve.eagle import load_head
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.proposers import EagleProposer
@@ -362,6 +363,9 @@ def test_the_later_steps_trace_into_one_graph_and_the_first_breaks_only_at_its_a
     _, hidden, kv = student._first(batch.input_ids, features, index.at[0])
     later = torch._dynamo.explain(student._later)(hidden, kv, batch.input_ids, index.window, index.at[1:])
     assert (later.graph_count, later.graph_break_count) == (1, 0)
+    with torch.no_grad():  # through FlexAttention too (traced without gradients: it has no backward on a CPU)
+        later = torch._dynamo.explain(student._later)(hidden, kv, batch.input_ids, index.window, index.at[1:], True)
+    assert (later.graph_count, later.graph_break_count) == (1, 0)
     first = torch._dynamo.explain(student._first)(batch.input_ids, features, index.at[0])
     reasons = [reason.reason for reason in first.break_reasons]
     assert len(reasons) == 2 and all("_attend_eagerly" in reason for reason in reasons), reasons  # one a layer
@@ -377,15 +381,44 @@ def test_the_compiled_unroll_trains_the_head_as_the_whole_unroll_does(tiny_model
     batch.input_ids, batch.labels = batch.input_ids.cuda(), batch.labels.cuda()
     index = eagle.UnrollIndex.of(batch, 4)
     results = []
-    for compiled in (False, True):
-        student = eagle.UnrolledHead(head, embeddings, 4, 0.8, chunk=16, windowed=compiled)
+    for compiled, flex in ((False, False), (True, False), (True, True)):
+        student = eagle.UnrolledHead(head, embeddings, 4, 0.8, chunk=16, windowed=compiled, flex=flex)
         head.zero_grad()
         if compiled:
             student.compile_training()
         loss, _ = student(batch.input_ids, features, logits, index, loss_fn)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in head.parameters()]))
-    (whole, whole_grads), (compiled, compiled_grads) = results
-    torch.testing.assert_close(compiled, whole)
-    for a, b in zip(compiled_grads, whole_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    (whole, whole_grads), *compiled_runs = results  # the later steps' attention written out, then through FlexAttention
+    for compiled, compiled_grads in compiled_runs:
+        torch.testing.assert_close(compiled, whole)
+        for a, b in zip(compiled_grads, whole_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_flex_window_attention_reads_what_the_written_out_one_reads(softcap):
+    """FlexAttention over step 0's keys and the window's own side by side, under a block mask, gives window_attention's
+    output: grouped query heads, entries at a row's start and at its end, a Gemma 2 softcap (forward only: FlexAttention
+    has no backward on a CPU; the GPU test trains through it)."""
+    from dataclasses import replace
+
+    from draftsmith.serve.model import Attention, ModelArgs
+
+    config = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 1}
+    args = replace(ModelArgs.from_hf_config({**config, "vocab_size": 97, "model_type": "llama"}), attn_softcap=softcap)
+    attention = Attention(args)
+    g = torch.Generator().manual_seed(2)
+    B, W, E, H, kv_heads, D = 3, 17, 40, 6, 2, 16
+    entries = (torch.arange(W) + torch.tensor([0, 10, 30])[:, None]).clamp(max=E - 1)  # the last row's window runs past its end
+    for j in (1, 3):
+        q, keys, values = (
+            torch.randn(B, W, H, D, generator=g),
+            torch.randn(B, kv_heads, E, D, generator=g),
+            torch.randn(B, kv_heads, E, D, generator=g),
+        )
+        own_keys, own_values = (torch.randn(B, W, j, kv_heads, D, generator=g) for _ in range(2))
+        with torch.no_grad():
+            written_out = serve_eagle.window_attention(attention, q, keys, values, entries, own_keys, own_values)
+            flex = serve_eagle.flex_window_attention(attention, q, keys, values, entries, own_keys, own_values)
+        torch.testing.assert_close(flex, written_out, rtol=1e-4, atol=1e-5)
