@@ -161,7 +161,7 @@ def profile(
     from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
 
-    active = cfg.max_steps - warmup - 2  # the last step is read at once, not as the next one runs
+    active = max(1, cfg.max_steps - warmup - 2)  # the last step is read at once, not as the next one runs
     activities = [ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])
     with torch_profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active)) as prof:
         one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu, prof.step, flex)  # a step's rate is read as the next one runs
