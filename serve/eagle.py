@@ -219,19 +219,16 @@ class EagleHead(CachedModel):
         """[..., hidden] -> logits over the draft vocabulary [..., V_draft] (entries map to self.vocab)."""
         return self.lm_head(self.norm(hidden))
 
-    def unroll(self, tokens: Tensor, features: Tensor, embeddings: nn.Module, steps: int, window: Tensor | None = None) -> Iterator[Tensor]:
+    def unroll(self, tokens: Tensor, features: Tensor, embeddings: nn.Module, steps: int) -> Iterator[Tensor]:
         """Training-time test over whole sequences, no cache: tokens [B, S] with the target's hidden states
         at each position features [B, S, F]; yields the hidden states [B, E = S - 1, hidden] of step 0, 1,
         ..., steps - 1. Step j's entry t stands for position t + j: it reads the token at t + j + 1 (the
         data's: a draft is only continued where the earlier ones were accepted) and its own step j - 1
         output, and attends to step 0's entries up to t and to its own earlier steps, exactly what an
-        inference step's cache holds; it predicts the token at t + j + 2. window [B, W]: the steps after the
-        first run as later_steps() runs them."""
+        inference step's cache holds; it predicts the token at t + j + 2. Training runs the steps after the
+        first only where a loss reads them (later_steps())."""
         hidden, first = self.first_step(tokens, features, embeddings)
         yield hidden
-        if window is not None:
-            yield from self.later_steps(hidden, first, tokens, embeddings, steps, window)
-            return
         E = tokens.shape[1] - 1
         positions = torch.arange(E, device=tokens.device).unsqueeze(0)
         caches = [[kv] for kv in first]
