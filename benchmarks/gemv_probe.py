@@ -1,0 +1,132 @@
+"""How fast a batch-1 matrix-vector product can read a target's weights on this GPU: cuBLAS (what the runtime's
+F.linear runs) against a plain Triton kernel of our own tuned over its tile sizes, and both against a
+device-to-device copy of the same bytes, for every weight shape of a target shape (random bf16 weights, every
+layer's own copy, so that the L2 cache holds none of them), each shape's products replayed from one CUDA graph.
+
+    python3 benchmarks/gemv_probe.py [--shape llama-3.1-8b] [--quick]
+
+Issue 35 asks for a plain Llama-3.1-8B step of at most 3.9 ms on an H200; on 2026-12-03 the step's 129 products
+alone took 3.906 ms through cuBLAS there (3.84 TB/s) while a copy moved 4.28 TB/s. This says whether a kernel of
+our own can close that gap, and how far the copy's rate is from the step's goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from draftsmith.evaluate.bench_shapes import SHAPES
+
+
+@triton.jit
+def _gemv(w_ptr, x_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[n] = sum_k w[n, k] x[k] for BLOCK_N rows of w a program, BLOCK_K columns at a time, in float32."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rows < N, rows, 0)  # a last partial block reads row 0 again and stores nothing there
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], eviction_policy="evict_first")
+        acc += w.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :]
+    out = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + out, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=out < N)
+
+
+def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int) -> None:
+    """y [N] = w [N, K] @ x [K]; K a multiple of block_k."""
+    N, K = w.shape
+    _gemv[(triton.cdiv(N, block_n),)](w, x, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+
+
+def configs(quick: bool) -> list[tuple[int, int, int, int]]:
+    """(block_n, block_k, warps, stages) to try."""
+    if quick:
+        return [(8, 512, 4, 3), (16, 256, 4, 3)]
+    grid = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
+    return [c for c in grid if c[0] * c[1] <= 16384]  # the float32 tile in registers
+
+
+def graph_ms(run, repeats: int = 20) -> float:
+    """One CUDA graph of run(), replayed: ms a replay (median of `repeats` timed replays)."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times[2:])[repeats // 2]
+
+
+def weight_shapes(shape: str) -> dict[tuple[int, int], int]:
+    """(out, in) -> how many matrices of it a step reads: the runtime's fused q/k/v and gate/up, its output and
+    down projections, and the LM head."""
+    c = SHAPES[shape]
+    hidden, layers, head_dim = c["hidden_size"], c["num_hidden_layers"], c["hidden_size"] // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * head_dim
+    return {
+        (hidden + 2 * kv, hidden): layers,
+        (hidden, hidden): layers,
+        (2 * c["intermediate_size"], hidden): layers,
+        (hidden, c["intermediate_size"]): layers,
+        (c["vocab_size"], hidden): 1,
+    }
+
+
+def probe(shape: str, quick: bool) -> list[tuple]:
+    rows = []
+    for (n, k), count in weight_shapes(shape).items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        ys = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in weights]
+        reference = F.linear(x, weights[0])
+        gb = count * n * k * 2 / 1e9
+        cublas = graph_ms(lambda: [F.linear(x, w, out=y) for w, y in zip(weights, ys)])
+        copies = [torch.empty_like(w) for w in weights[: max(1, count // 4)]]
+        copy = graph_ms(lambda: [c.copy_(w) for c, w in zip(copies, weights)]) * count / len(copies) / 2  # read + write
+        best = (float("inf"), None)
+        for config in configs(quick):
+            if k % config[1]:
+                continue
+            gemv(weights[0], x, ys[0], *config)
+            if not torch.allclose(ys[0].float(), reference.float(), rtol=2e-2, atol=2e-1):
+                raise AssertionError(f"{config} at {n}x{k}: {(ys[0].float() - reference.float()).abs().max()}")
+            ms = graph_ms(lambda c=config: [gemv(w, x, y, *c) for w, y in zip(weights, ys)])
+            best = min(best, (ms, config))
+        rows.append((f"{n}x{k} x{count}", gb, cublas, best[0], best[1], copy))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--quick", action="store_true", help="two tile configurations instead of the grid")
+    args = parser.parse_args()
+    rows = probe(args.shape, args.quick)
+    print(f"\n{args.shape}, batch 1, {torch.cuda.get_device_name()}: GB/s (ms) of one graph of each shape's products")
+    print("| weights | GB | cuBLAS | Triton (block_n, block_k, warps, stages) | copy (read half) |")
+    print("|---|---:|---:|---:|---:|")
+    for name, gb, cublas, triton_ms, config, copy in rows:
+        print(
+            f"| {name} | {gb:.2f} | {gb / cublas:.0f} ({cublas:.3f}) | {gb / triton_ms:.0f} ({triton_ms:.3f}) {config} | {gb / copy:.0f} |"
+        )
+    gb = sum(r[1] for r in rows)
+    total = [sum(r[i] for r in rows) for i in (2, 3, 5)]
+    print(
+        f"| all | {gb:.2f} | {gb / total[0]:.0f} ({total[0]:.3f}) | {gb / total[1]:.0f} ({total[1]:.3f}) | {gb / total[2]:.0f} ({total[2]:.3f}) |"
+    )
+
+
+if __name__ == "__main__":
+    main()
