@@ -164,10 +164,11 @@ class UnrolledHead(nn.Module):
     its own so that data-parallel training sees one forward). The token embedding is the target's, frozen.
     The unroll (every step's layers and final norm) is two functions that distill.compile compiles: step 0,
     whose attention stays outside compiled code, and the later steps, one graph; the loss over the draft
-    vocabulary runs chunk by chunk after it (distill.loss_chunk_size). windowed=False runs every step at every
-    entry, eagerly (the same loss and gradient, more work: the unroll's definition, for comparison). flex: the
-    compiled later steps attend through FlexAttention (serve/eagle.py flex_window_attention; CUDA only, and not yet
-    measured against the written-out attention: benchmarks/profile_train.py's "flex" variant)."""
+    vocabulary runs chunk by chunk after it (distill.loss_chunk_size). On CUDA the compiled later steps attend
+    through FlexAttention (serve/eagle.py flex_window_attention: 1.22x the tokens/s of the written-out attention in
+    one profile_train run on an H100, 2026-12-06, and a quarter less memory); elsewhere, and eagerly, written out.
+    windowed=False runs every step at every entry, eagerly (the same loss and gradient, more work: the unroll's
+    definition, for comparison)."""
 
     def __init__(
         self,
@@ -177,10 +178,9 @@ class UnrolledHead(nn.Module):
         decay: float,
         chunk: int = 0,
         windowed: bool = True,
-        flex: bool = False,
     ):
         super().__init__()
-        self.head, self.steps, self.decay, self.chunk, self.windowed, self.flex = head, steps, decay, chunk, windowed, flex
+        self.head, self.steps, self.decay, self.chunk, self.windowed = head, steps, decay, chunk, windowed
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
         self.__dict__["compiled"] = None  # distill.compile: (step 0, the later steps), compiled by compile_training
 
@@ -202,7 +202,7 @@ class UnrolledHead(nn.Module):
     def _later(
         self, hidden: Tensor, first: list, tokens: Tensor, window: Tensor, at: tuple[Tensor, ...], flex: bool = False
     ) -> list[Tensor]:
-        """Steps 1 and later's states read at their entries `at[j]` (into [B * W])."""
+        """Steps 1 and later's states read at their entries `at[j]` (into [B * W]); flex: attending through FlexAttention."""
         steps = self.head.later_steps(hidden, first, tokens, self.embeddings, self.steps, window, flex)
         return [self._read(h, where) for where, h in zip(at, steps)]
 
@@ -214,7 +214,7 @@ class UnrolledHead(nn.Module):
         compiled = self.compiled is not None and torch.is_grad_enabled()  # held-out passes: no second compilation
         first, later = self.compiled if compiled else (self._first, self._later)
         normed, hidden, kv = first(tokens, features, index.at[0])
-        return [normed, *later(hidden, kv, tokens, index.window, index.at[1:], self.flex and compiled)]
+        return [normed, *later(hidden, kv, tokens, index.window, index.at[1:], compiled and hidden.is_cuda)]
 
     def forward(
         self, tokens: Tensor, features: Tensor, target_logits: Tensor, index: UnrollIndex, loss_fn, labels: Tensor | None = None
