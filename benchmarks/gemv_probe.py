@@ -114,17 +114,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two tile configurations instead of the grid")
     args = parser.parse_args()
     rows = probe(args.shape, args.quick)
-    print(f"\n{args.shape}, batch 1, {torch.cuda.get_device_name()}: GB/s (ms) of one graph of each shape's products")
-    print("| weights | GB | cuBLAS | Triton (block_n, block_k, warps, stages) | copy (read half) |")
+    print(f"\n{args.shape}, batch 1, {torch.cuda.get_device_name()}: TB/s (ms) of one graph of each shape's products")
+    print("| weights | GB | cuBLAS | Triton (block_n, block_k, warps, stages) | copy ((read + write) / s) |")
     print("|---|---:|---:|---:|---:|")
     for name, gb, cublas, triton_ms, config, copy in rows:
         print(
-            f"| {name} | {gb:.2f} | {gb / cublas:.0f} ({cublas:.3f}) | {gb / triton_ms:.0f} ({triton_ms:.3f}) {config} | {gb / copy:.0f} |"
+            f"| {name} | {gb:.2f} | {gb / cublas:.2f} ({cublas:.3f}) | {gb / triton_ms:.2f} ({triton_ms:.3f}) {config} | {gb / copy:.2f} |"
         )
     gb = sum(r[1] for r in rows)
     total = [sum(r[i] for r in rows) for i in (2, 3, 5)]
     print(
-        f"| all | {gb:.2f} | {gb / total[0]:.0f} ({total[0]:.3f}) | {gb / total[1]:.0f} ({total[1]:.3f}) | {gb / total[2]:.0f} ({total[2]:.3f}) |"
+        f"| all | {gb:.2f} | {gb / total[0]:.2f} ({total[0]:.3f}) | {gb / total[1]:.2f} ({total[1]:.3f}) | {gb / total[2]:.2f} ({total[2]:.3f}) |"
     )
 
 

@@ -165,8 +165,8 @@ class UnrolledHead(nn.Module):
     The unroll (every step's layers and final norm) is two functions that distill.compile compiles: step 0,
     whose attention stays outside compiled code, and the later steps, one graph; the loss over the draft
     vocabulary runs chunk by chunk after it (distill.loss_chunk_size). On CUDA the compiled later steps attend
-    through FlexAttention (serve/eagle.py flex_window_attention: 1.22x the tokens/s of the written-out attention in
-    one profile_train run on an H100, 2026-12-06, and a quarter less memory); elsewhere, and eagerly, written out.
+    through FlexAttention (serve/eagle.py flex_window_attention: faster than the written-out attention, and
+    smaller, as benchmarks/profile_train.py measures); elsewhere, and eagerly, written out.
     windowed=False runs every step at every entry, eagerly (the same loss and gradient, more work: the unroll's
     definition, for comparison)."""
 

@@ -303,8 +303,8 @@ def compile_layers(model: torch.nn.Module) -> None:
 def read_later(value: torch.Tensor) -> Callable[[], float]:
     """A device scalar's value, to be read later without waiting for work queued after this call: the copy to the
     host starts now, behind only what is queued so far. (`.item()` later queues its copy behind every step queued
-    since, so the host waits for the device to drain and the device then idles while the host prepares the next
-    step: a quarter of an H100's time in the EAGLE-3 head's trainer, 2026-12-06.)"""
+    since, so the host would wait for the device to drain, and the device then idle while the host prepares the
+    next step.)"""
     if value.device.type != "cuda":
         return value.item
     host = torch.empty((), dtype=value.dtype, pin_memory=True)
