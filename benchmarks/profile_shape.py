@@ -5,8 +5,9 @@ kernels of each.
 
     python3 benchmarks/profile_shape.py [--shape llama-3.1-8b] [--batch 1] [--bandwidth 4800] [--variants]
 
---variants times the plain step instead under settings that may move it: torch's attention instead of the
-runtime's kernel, and inductor's GEMM autotuning for the compiled blocks.
+--variants times the plain step and a verification over 6 tokens instead, under settings that may move them:
+torch's attention instead of the runtime's kernel, inductor's GEMM autotuning for the compiled blocks, and the
+runtime's own matrix-vector kernel (serve/gemv.py) instead of cuBLAS.
 """
 
 from __future__ import annotations
@@ -48,32 +49,45 @@ def gemv_ms(target) -> float:
     return cuda_ms(graph.replay)
 
 
-def plain_step_ms(shape: str, batch: int) -> float:
+def step_and_verify_ms(shape: str, batch: int) -> tuple[float, float]:
+    """(A whole plain step, one graph replay; the target's graphed forward over 6 tokens a row), in ms."""
     target = build(SHAPES[shape], torch.bfloat16, "cuda")
     engine = Engine(target, None, max_batch_size=batch, max_seq_len=512)
     zeros = torch.zeros(batch, dtype=torch.long, device="cuda")
     state = DecodeState(lengths=torch.full((batch,), 128, device="cuda"), pending=zeros, previous=zeros.clone())
     active = torch.zeros(batch, dtype=torch.bool, device="cuda")
+    tokens = torch.zeros(batch, 6, dtype=torch.long, device="cuda")
+    positions = (torch.arange(6, device="cuda") + 128).expand(batch, 6)
     with torch.inference_mode():
-        return cuda_ms(lambda: engine.step_graphs(state, active, 0))
+        return cuda_ms(lambda: engine.step_graphs(state, active, 0)), cuda_ms(lambda: engine.target_forward(tokens, positions))
 
 
 def variants(shape: str, batch: int, floor: float) -> None:
-    """The whole plain step's time under each setting, each on a fresh engine and compilation."""
+    """The whole plain step's and a 6-token verification's time under each setting, each on a fresh engine and
+    compilation."""
     import torch._dynamo
     import torch._inductor.config as inductor
 
     from draftsmith.serve import model
 
-    settings = {"default": {}, "torch attention": {"attention": False}, "GEMM autotuning": {"autotune": True}}
-    print(f"\n{shape}, batch {batch}: the whole plain step by setting (floor {floor:.3f} ms)")
+    settings = {
+        "default": {},
+        "torch attention": {"attention": False},
+        "GEMM autotuning": {"autotune": True},
+        "gemv kernel": {"gemv": True},
+    }
+    print(f"\n{shape}, batch {batch}: the whole plain step and a 6-token verification by setting (floor {floor:.3f} ms)")
     for name, setting in settings.items():
         torch._dynamo.reset()
         model.USE_DECODE_ATTENTION = setting.get("attention", True)
+        model.USE_GEMV = setting.get("gemv", False)
         inductor.max_autotune_gemm = setting.get("autotune", False)
-        ms = plain_step_ms(shape, batch)
+        step, verify = step_and_verify_ms(shape, batch)
         torch.cuda.empty_cache()
-        print(f"{name:<20} {ms:8.3f} ms  {ms / floor:5.2f} x floor", flush=True)
+        print(
+            f"{name:<20} step {step:8.3f} ms  {step / floor:5.2f} x floor   verify 6 tokens {verify:8.3f} ms  {verify / step:5.2f} x step",
+            flush=True,
+        )
 
 
 def main() -> None:

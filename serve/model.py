@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.serve import decode_attention
+from draftsmith.serve import decode_attention, gemv
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -313,6 +313,23 @@ class KVCache(nn.Module):
         return self.k[read], self.v[read]
 
 
+# On a GPU with triton, products of a few rows (decode steps) read the weights with serve/gemv.py. Off until a GPU has
+# run it through the whole model: benchmarks/profile_shape.py --variants measures a step with it on.
+USE_GEMV = False
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, through serve/gemv.py where it runs (USE_GEMV; no gradient through it)."""
+    if USE_GEMV and gemv.runs(x, weight) and not (torch.is_grad_enabled() and weight.requires_grad):
+        return gemv.op(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, in_features: int | None = None, window: int | None = None):
         super().__init__()
@@ -320,8 +337,8 @@ class Attention(nn.Module):
         self.scale = args.attn_scale or args.head_dim**-0.5
         q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         # q, k, v fused; an EAGLE-3 head's first layer reads 2 x hidden_size (token embedding, hidden state)
-        self.wqkv = nn.Linear(in_features or args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)
-        self.wo = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
+        self.wqkv = Linear(in_features or args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)
+        self.wo = Linear(q_out, args.hidden_size, bias=args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm else None
         self.cache: KVCache | None = None
@@ -398,8 +415,8 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.intermediate, self.activation = args.intermediate_size, args.activation
-        self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate, up fused
-        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate, up fused
+        self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.intermediate, dim=-1)
@@ -538,7 +555,7 @@ class Transformer(CachedModel):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
-        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.output = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.fused_block = None  # torch.compile'd _run_block, shared by every layer (see compile_blocks)
@@ -593,7 +610,7 @@ class Transformer(CachedModel):
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, T', hidden]
         x = self.norm(x)
-        logits = self.output(x) if self.vocab is None else F.linear(x, self.vocab_head)  # [B, T or T', V or V']
+        logits = self.output(x) if self.vocab is None else linear(x, self.vocab_head)  # [B, T or T', V or V']
         if self.args.final_softcap:
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return (logits, torch.cat([entering[i] for i in hidden_layers], dim=-1)) if hidden_layers else logits

@@ -180,6 +180,35 @@ def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, spl
         assert kernel[3].isfinite().all()
 
 
+@pytest.mark.parametrize("family", ["smollm2", "gemma2"])
+def test_the_gemv_kernel_decodes_as_torch_products_do(tiny_models, family, monkeypatch):
+    # serve/gemv.py for a decode step's products (model.USE_GEMV): in bfloat16 the target's logits over 1 and 4
+    # tokens at batch 1 are torch's within rounding; in float32 a compiled, graphed engine's greedy speculative
+    # output equals its plain output (at batch 1 and 4: rows x tokens within the kernel's MAX_ROWS and past it)
+    from draftsmith.serve import gemv, model
+
+    target_dir, draft_dir = tiny_models[family]
+    target = load_model(target_dir, torch.bfloat16, "cuda")
+    assert gemv.runs(torch.zeros(1, 4, target.args.hidden_size, dtype=torch.bfloat16, device="cuda"), target.output.weight)
+    target.setup_cache(1, 96)
+    prompt = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    logits = {}
+    for kernel in (False, True):
+        monkeypatch.setattr(model, "USE_GEMV", kernel)
+        target(prompt, torch.arange(40, device="cuda")[None])
+        logits[kernel] = [target(prompt[:, :t], torch.arange(40, 40 + t, device="cuda")[None]).float() for t in (1, 4)]
+    for torch_products, kernel in zip(logits[False], logits[True]):
+        assert (kernel - torch_products).abs().max() <= 0.03 * torch_products.abs().max()
+    prompts = random_prompts(8, 97, seed=5)
+    params = SamplingParams(max_new_tokens=24)
+    target, draft = load_model(target_dir, torch.float32, "cuda"), load_model(draft_dir, torch.float32, "cuda")
+    monkeypatch.setattr(model, "USE_GEMV", True)
+    for batch in (1, 4):
+        compiled = Engine(target, draft, max_batch_size=batch, max_seq_len=96, compile_blocks=True)
+        plain = outputs(compiled, prompts, 0, batch, params)
+        assert outputs(compiled, prompts, 3, batch, params) == plain, f"{family}, batch {batch}"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_decodes_speculatively_as_plainly_under_graphs_and_compile(tiny_models, family):
     # compiled blocks, whole-step graphs and the decode kernel (sliding windows, soft-capping, partial rotary,
