@@ -1,5 +1,5 @@
 """How fast a batch-1 matrix-vector product can read a target's weights on this GPU: cuBLAS (what the runtime's
-F.linear runs) against a plain Triton kernel of our own tuned over its tile sizes, and both against a
+F.linear runs) against the runtime's own Triton kernel (serve/gemv.py) at each of its tile sizes, and both against a
 device-to-device copy of the same bytes, for every weight shape of a target shape (random bf16 weights, every
 layer's own copy, so that the L2 cache holds none of them), each shape's products replayed from one CUDA graph.
 
@@ -17,36 +17,15 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from draftsmith.evaluate.bench_shapes import SHAPES
-
-
-@triton.jit
-def _gemv(w_ptr, x_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[n] = sum_k w[n, k] x[k] for BLOCK_N rows of w a program, BLOCK_K columns at a time, in float32."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(rows < N, rows, 0)  # a last partial block reads row 0 again and stores nothing there
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], eviction_policy="evict_first")
-        acc += w.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :]
-    out = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + out, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=out < N)
-
-
-def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int) -> None:
-    """y [N] = w [N, K] @ x [K]; K a multiple of block_k."""
-    N, K = w.shape
-    _gemv[(triton.cdiv(N, block_n),)](w, x, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+from draftsmith.serve.gemv import gemv
 
 
 def configs(quick: bool) -> list[tuple[int, int, int, int]]:
     """(block_n, block_k, warps, stages) to try."""
     if quick:
-        return [(8, 512, 4, 3), (16, 256, 4, 3)]
+        return [(4, 1024, 8, 3), (8, 512, 8, 2)]  # serve/gemv.py's default, and the down projection's best
     grid = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
     return [c for c in grid if c[0] * c[1] <= 16384]  # the float32 tile in registers
 
@@ -99,10 +78,10 @@ def probe(shape: str, quick: bool) -> list[tuple]:
         for config in configs(quick):
             if k % config[1]:
                 continue
-            gemv(weights[0], x, ys[0], *config)
-            if not torch.allclose(ys[0].float(), reference.float(), rtol=2e-2, atol=2e-1):
-                raise AssertionError(f"{config} at {n}x{k}: {(ys[0].float() - reference.float()).abs().max()}")
-            ms = graph_ms(lambda c=config: [gemv(w, x, y, *c) for w, y in zip(weights, ys)])
+            y = gemv(x, weights[0], None, config)
+            if not torch.allclose(y.float(), reference.float(), rtol=2e-2, atol=2e-1):
+                raise AssertionError(f"{config} at {n}x{k}: {(y.float() - reference.float()).abs().max()}")
+            ms = graph_ms(lambda c=config: [gemv(x, w, None, c) for w in weights])
             best = min(best, (ms, config))
         rows.append((f"{n}x{k} x{count}", gb, cublas, best[0], best[1], copy))
     return rows

@@ -1,12 +1,13 @@
-"""Matrix products for decode steps on a GPU: a few rows of activations (a plain step's one token a row at
-batch 1, a verification's K + 1) against a weight matrix, read once.
+"""The matrix-vector product of a plain decoding step at batch 1 on a GPU: one row of activations against a
+weight matrix, read once.
 
-At batch 1 a step's time is the time to read the weights. cuBLAS's kernels for these shapes read them at 84%
-of an H100's rated bandwidth at the Llama-3.1-8B shape; this kernel, tuned over its tiles, at 90%
-(benchmarks/gemv_probe.py, benchmarks/RESULTS.md 2026-12-06). Each program holds BLOCK_N rows of the weight
-and walks the K columns BLOCK_K at a time, multiplying each tile by every activation row, with float32
-partial sums per lane reduced once at the end. Needs triton; its interpreter (TRITON_INTERPRET=1) runs it on
-CPU tensors in float32, which is how the suite tests it.
+At batch 1 a step's time is the time to read the weights. At the Llama-3.1-8B shape on an H100, cuBLAS's kernels
+read them at 84% of the rated bandwidth and this kernel, tuned over its tiles, at 90% (benchmarks/gemv_probe.py,
+benchmarks/RESULTS.md 2026-12-06). Each program holds BLOCK_N rows of the weight and walks the K columns BLOCK_K
+at a time, keeping float32 partial sums per lane and reducing them once at the end. Only one row: over a
+verification's 6 rows a version of it that multiplied each tile by every row took 3x cuBLAS's time, so those stay
+with cuBLAS. Needs triton; its interpreter (TRITON_INTERPRET=1) runs it on CPU tensors in float32, which is how
+the suite tests it.
 """
 
 from typing import Optional
@@ -20,91 +21,72 @@ try:
 except ImportError:  # a CPU-only install: the model uses F.linear
     triton = None
 
-MAX_ROWS = 8  # activation rows a launch takes at most: a plain step at batch 1 and a verification of K <= 7
-BLOCK_N = 4  # weight rows a program reads
-TILE = 4096  # partial sums a program holds (rows x weight rows x BLOCK_K): the registers of 8 warps
+Config = tuple[int, int, int, int]  # (block_n: weight rows a program reads, block_k, warps, stages)
 
 
 def runs(x: Tensor, weight: Tensor) -> bool:
-    """Whether gemv runs for activations x [..., K] against weight [N, K] on a GPU: at most MAX_ROWS rows, a
-    weight laid out as stored, and K a multiple of 16."""
-    rows = x.numel() // max(1, x.shape[-1])
+    """Whether gemv runs for activations x [..., K] against weight [N, K]: one row on a GPU, a weight laid out as
+    stored, K a multiple of 16."""
     return (
         triton is not None
         and x.device.type == "cuda"
+        and x.numel() == x.shape[-1]
         and x.dtype == weight.dtype
         and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and rows <= MAX_ROWS
-        and weight.shape[1] % 16 == 0
         and weight.is_contiguous()
+        and weight.shape[1] % 16 == 0
     )
 
 
-def block_k(rows: int, k: int) -> int:
-    """The columns a program reads an iteration: as many as TILE allows for `rows` (padded to a power of two) x
-    BLOCK_N partial sums, and a divisor of k."""
-    size = TILE // (triton.next_power_of_2(rows) * BLOCK_N)
-    while k % size:
-        size //= 2
-    return size
+def default_config(k: int) -> Config:
+    """The tiles that read the 8B shape's weights fastest (benchmarks/gemv_probe.py), block_k a divisor of k."""
+    block_k = 1024
+    while k % block_k:
+        block_k //= 2
+    return 4, block_k, 8, 3
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows and weight [N, K] (K a multiple of 16),
-    accumulated in float32; returns [..., N] in x's dtype."""
-    K = x.shape[-1]
-    N = weight.shape[0]
-    flat = x.reshape(-1, K).contiguous()
-    M = flat.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _gemv[(triton.cdiv(N, BLOCK_N),)](
-        flat,
+def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, config: Optional[Config] = None) -> Tensor:
+    """F.linear(x, weight, bias) for one row x [..., K] and weight [N, K], summed in float32; returns [..., N] in x's
+    dtype. config: the tiles (default_config's by default; block_k must divide K)."""
+    N, K = weight.shape
+    block_n, block_k, warps, stages = config or default_config(K)
+    out = torch.empty(N, dtype=x.dtype, device=x.device)
+    _gemv[(triton.cdiv(N, block_n),)](
+        x.contiguous(),
         weight,
         bias if bias is not None else weight,  # not read without HAS_BIAS
         out,
         N,
         K=K,
-        M=M,
-        M_PAD=triton.next_power_of_2(M),
         HAS_BIAS=bias is not None,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k(M, K),
-        num_warps=8,
-        num_stages=3,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out.view(*x.shape[:-1], N)
 
 
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    return gemv(x, weight, bias)
+
+
 if triton is not None:
     # an opaque op to torch.compile (the compiled blocks call it; inductor does not trace into triton here)
-    op = torch.library.custom_op("draftsmith::gemv", gemv, mutates_args=())
+    op = torch.library.custom_op("draftsmith::gemv", _linear, mutates_args=())
     op.register_fake(lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
     @triton.jit
-    def _gemv(
-        X,
-        W,
-        B,
-        Y,
-        N,
-        K: tl.constexpr,
-        M: tl.constexpr,
-        M_PAD: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
+    def _gemv(X, W, B, Y, N, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_read = tl.where(n < N, n, 0)  # a last partial block reads row 0 again and stores nothing for it
-        m = tl.arange(0, M_PAD)
-        m_read = tl.where(m < M, m, 0)
-        acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
-            w = tl.load(W + n_read[:, None] * K + cols[None, :], eviction_policy="evict_first").to(tl.float32)
-            x = tl.load(X + m_read[:, None] * K + cols[None, :]).to(tl.float32)
-            acc += x[:, None, :] * w[None, :, :]
-        y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+            w = tl.load(W + n_read[:, None] * K + cols[None, :], eviction_policy="evict_first")
+            acc += w.to(tl.float32) * tl.load(X + cols).to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
         if HAS_BIAS:
-            y += tl.load(B + n_read).to(tl.float32)[None, :]
-        tl.store(Y + m[:, None] * N + n[None, :], y.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+            y += tl.load(B + n_read).to(tl.float32)
+        tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)

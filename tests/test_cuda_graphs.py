@@ -182,14 +182,14 @@ def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, spl
 
 @pytest.mark.parametrize("family", ["smollm2", "gemma2"])
 def test_the_gemv_kernel_decodes_as_torch_products_do(tiny_models, family, monkeypatch):
-    # serve/gemv.py for a decode step's products (model.USE_GEMV): in bfloat16 the target's logits over 1 and 4
-    # tokens at batch 1 are torch's within rounding; in float32 a compiled, graphed engine's greedy speculative
-    # output equals its plain output (at batch 1 and 4: rows x tokens within the kernel's MAX_ROWS and past it)
+    # serve/gemv.py for a plain step's products at batch 1 (model.USE_GEMV): in bfloat16 the target's logits over 1
+    # token are torch's within rounding (over 4, torch's own); in float32 a compiled, graphed engine's greedy
+    # speculative output (verification through cuBLAS) equals its plain output, at batch 1 (the kernel) and 4 (not)
     from draftsmith.serve import gemv, model
 
     target_dir, draft_dir = tiny_models[family]
     target = load_model(target_dir, torch.bfloat16, "cuda")
-    assert gemv.runs(torch.zeros(1, 4, target.args.hidden_size, dtype=torch.bfloat16, device="cuda"), target.output.weight)
+    assert gemv.runs(torch.zeros(1, 1, target.args.hidden_size, dtype=torch.bfloat16, device="cuda"), target.output.weight)
     target.setup_cache(1, 96)
     prompt = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0)).cuda()
     logits = {}

@@ -17,20 +17,20 @@ CHECK = textwrap.dedent("""
 
     torch.manual_seed(0)
     worst = 0.0
-    # one row (a plain step at batch 1) to MAX_ROWS (a verification); weight rows not a multiple of BLOCK_N;
-    # K of a 16-column block (the tiny SmolLM2's 96), of 64-column ones (the demo target's 576) and of several
-    # iterations of the widest block
+    # weight rows not a multiple of a program's; K of 16-column blocks (the tiny SmolLM2's 96), of 64-column ones
+    # (the demo target's 576) and of several iterations of the widest; the default tiles and others
     for K in (96, 576, 2048):
         for N in (4, 37):
-            for M in (1, 3, 8):
-                x, w, b = torch.randn(1, M, K), torch.randn(N, K), torch.randn(N)
-                assert gemv.block_k(M, K) * triton_pad(M) * gemv.BLOCK_N <= gemv.TILE and K % gemv.block_k(M, K) == 0
+            x, w, b = torch.randn(1, 1, K), torch.randn(N, K), torch.randn(N)
+            block_k = gemv.default_config(K)[1]
+            assert K % block_k == 0 and block_k == min(1024, K & -K)
+            for config in (None, (8, 32, 4, 2)):
                 for bias in (None, b):
-                    out = gemv.gemv(x, w, bias)
-                    assert out.shape == (1, M, N) and out.dtype == x.dtype
+                    out = gemv.gemv(x, w, bias, config)
+                    assert out.shape == (1, 1, N) and out.dtype == x.dtype
                     worst = max(worst, (out - F.linear(x, w, bias)).abs().max().item() / K**0.5)
     print(worst)
-""").replace("triton_pad(M)", "gemv.triton.next_power_of_2(M)")
+""")
 
 
 def test_gemv_matches_linear():
@@ -41,13 +41,15 @@ def test_gemv_matches_linear():
 
 
 def test_the_model_keeps_torch_products_where_the_kernel_does_not_run():
-    """On a CPU, with the kernel switched on, a model's products are F.linear's: the same logits."""
+    """On a CPU, and over more than one row, with the kernel switched on, a model's products are F.linear's."""
     import torch
 
     from draftsmith.serve import gemv, model
 
     x, w = torch.randn(1, 1, 64), torch.randn(8, 64)
     assert not gemv.runs(x, w)  # a CPU tensor
+    if torch.cuda.is_available():
+        assert gemv.runs(x.cuda(), w.cuda()) and not gemv.runs(torch.randn(1, 2, 64).cuda(), w.cuda())
     layer = model.Linear(64, 8)
     switched, model.USE_GEMV = model.USE_GEMV, True
     try:
