@@ -3,11 +3,13 @@ weights on the GPU, evaluate/bench_shapes.py): CUDA-event times of a whole plain
 the target's compiled forward over 1..6 tokens, against the weights-over-bandwidth floor, and the heaviest
 kernels of each.
 
-    python3 benchmarks/profile_shape.py [--shape llama-3.1-8b] [--batch 1] [--bandwidth 4800] [--variants]
+    python3 benchmarks/profile_shape.py [--shape llama-3.1-8b] [--batch 1] [--bandwidth 4800] [--variants [NAME ...]]
+        [--repeats 1]
 
 --variants times the plain step and a verification over 6 tokens instead, under settings that may move them:
 torch's attention instead of the runtime's kernel, inductor's GEMM autotuning for the compiled blocks, and the
-runtime's own matrix-vector kernel (serve/gemv.py) instead of cuBLAS.
+runtime's own matrix-vector kernel (serve/gemv.py) instead of cuBLAS (all of them, or those named), in turns,
+--repeats rounds: the medians and ranges.
 """
 
 from __future__ import annotations
@@ -62,32 +64,41 @@ def step_and_verify_ms(shape: str, batch: int) -> tuple[float, float]:
         return cuda_ms(lambda: engine.step_graphs(state, active, 0)), cuda_ms(lambda: engine.target_forward(tokens, positions))
 
 
-def variants(shape: str, batch: int, floor: float) -> None:
+SETTINGS = {
+    "default": {},
+    "torch attention": {"attention": False},
+    "GEMM autotuning": {"autotune": True},
+    "gemv kernel": {"gemv": True},
+}
+
+
+def variants(shape: str, batch: int, floor: float, names: list[str], repeats: int) -> None:
     """The whole plain step's and a 6-token verification's time under each setting, each on a fresh engine and
-    compilation."""
+    compilation, the settings in turns for `repeats` rounds; then each one's medians and ranges."""
+    import statistics
+
     import torch._dynamo
     import torch._inductor.config as inductor
 
     from draftsmith.serve import model
 
-    settings = {
-        "default": {},
-        "torch attention": {"attention": False},
-        "GEMM autotuning": {"autotune": True},
-        "gemv kernel": {"gemv": True},
-    }
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     print(f"\n{shape}, batch {batch}: the whole plain step and a 6-token verification by setting (floor {floor:.3f} ms)")
-    for name, setting in settings.items():
-        torch._dynamo.reset()
-        model.USE_DECODE_ATTENTION = setting.get("attention", True)
-        model.USE_GEMV = setting.get("gemv", False)
-        inductor.max_autotune_gemm = setting.get("autotune", False)
-        step, verify = step_and_verify_ms(shape, batch)
-        torch.cuda.empty_cache()
-        print(
-            f"{name:<20} step {step:8.3f} ms  {step / floor:5.2f} x floor   verify 6 tokens {verify:8.3f} ms  {verify / step:5.2f} x step",
-            flush=True,
-        )
+    for turn in range(repeats):
+        for name in names:
+            torch._dynamo.reset()
+            setting = SETTINGS[name]
+            model.USE_DECODE_ATTENTION = setting.get("attention", True)
+            model.USE_GEMV = setting.get("gemv", False)
+            inductor.max_autotune_gemm = setting.get("autotune", False)
+            times[name].append(step_and_verify_ms(shape, batch))
+            torch.cuda.empty_cache()
+            print(f"round {turn + 1} {name}: {times[name][-1][0]:.3f} / {times[name][-1][1]:.3f} ms", flush=True)
+    print("| setting | plain step, ms (range) | x floor | verify 6 tokens, ms (range) | x step |\n|---|---:|---:|---:|---:|")
+    for name, runs in times.items():
+        step, verify = (statistics.median(t[i] for t in runs) for i in (0, 1))
+        spread = lambda i: f"{min(t[i] for t in runs):.3f}-{max(t[i] for t in runs):.3f}"
+        print(f"| {name} | {step:.3f} ({spread(0)}) | {step / floor:.2f} | {verify:.3f} ({spread(1)}) | {verify / step:.2f} |")
 
 
 def main() -> None:
@@ -95,13 +106,16 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s")
-    parser.add_argument("--variants", action="store_true", help="time the plain step under each setting instead")
+    parser.add_argument(
+        "--variants", nargs="*", choices=list(SETTINGS), help="time the plain step and a verification under each setting (or these) instead"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="with --variants: rounds of the settings in turns")
     args = parser.parse_args()
     target = build(SHAPES[args.shape], torch.bfloat16, "cuda")
     floor = bandwidth_floor_ms(target, args.bandwidth)
-    if args.variants:
+    if args.variants is not None:
         del target
-        return variants(args.shape, args.batch, floor)
+        return variants(args.shape, args.batch, floor, args.variants or list(SETTINGS), args.repeats)
     engine = Engine(target, None, max_batch_size=args.batch, max_seq_len=512)
     zeros = torch.zeros(args.batch, dtype=torch.long, device="cuda")
     state = DecodeState(lengths=torch.full((args.batch,), 128, device="cuda"), pending=zeros, previous=zeros.clone())
