@@ -313,8 +313,8 @@ class KVCache(nn.Module):
         return self.k[read], self.v[read]
 
 
-# On a GPU with triton, products of a few rows (decode steps) read the weights with serve/gemv.py. Off until a GPU has
-# run it through the whole model: benchmarks/profile_shape.py --variants measures a step with it on.
+# On a GPU with triton, one-row products (a plain step at batch 1) read the weights with serve/gemv.py. Off until a GPU
+# has measured it against cuBLAS three times: benchmarks/profile_shape.py --variants default "gemv kernel" --repeats 3.
 USE_GEMV = False
 
 
