@@ -41,6 +41,18 @@ def tiny_distill_config(teacher: dict | None = None, **overrides):
     return DistillConfig(**{**fields, **overrides})
 
 
+def interpreted(code: str) -> float:
+    """Run `code` under triton's interpreter (TRITON_INTERPRET=1: kernels on CPU tensors; it must be on before triton
+    is imported, so in a subprocess) and return the number it prints last (a kernel's worst error)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def tiny_config(family: str, vocab_size: int = 97, num_layers: int = 3):
     from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 

@@ -2,12 +2,11 @@
 in float32 (the interpreter must be switched on before triton is imported: a subprocess), against torch's
 attention under the mask that CachedModel.place builds."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import interpreted
 
 pytest.importorskip("triton")
 
@@ -59,7 +58,4 @@ CHECK = textwrap.dedent("""
 
 
 def test_decode_attention_matches_masked_attention():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+    assert interpreted(CHECK) < 1e-5

@@ -1,12 +1,11 @@
 """The GPU matrix-vector kernel (serve/gemv.py), run by triton's interpreter on CPU tensors in float32 (the
 interpreter must be switched on before triton is imported: a subprocess), against F.linear."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import interpreted
 
 pytest.importorskip("triton")
 
@@ -34,10 +33,7 @@ CHECK = textwrap.dedent("""
 
 
 def test_gemv_matches_linear():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+    assert interpreted(CHECK) < 1e-5
 
 
 def test_the_model_keeps_torch_products_where_the_kernel_does_not_run():
