@@ -300,6 +300,13 @@ def compile_layers(model: torch.nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far, forward and backward graphs (dynamo's own account)."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
+
+
 def read_later(value: torch.Tensor) -> Callable[[], float]:
     """A device scalar's value, to be read later without waiting for work queued after this call: the copy to the
     host starts now, behind only what is queued so far. (`.item()` later queues its copy behind every step queued
@@ -447,6 +454,7 @@ class Distiller:
             self._record(history, tokens, save=False)
         self.draft.train()
         train_seconds, tokens_at_start = 0.0, tokens  # optimizer steps only, not evaluation or checkpoints
+        compiled_before = compile_seconds()
         loss_value, reported_at = float("nan"), time.time()
         pending: tuple[int, Callable[[], float], int, float] | None = None  # a step whose loss is read once the next is queued
         columns = [
@@ -508,6 +516,7 @@ class Distiller:
             "final_train_loss": loss_value,
             "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0,
             "tokens_this_run": tokens - tokens_at_start,  # not those of a run this one resumed
+            "compile_seconds": compile_seconds() - compiled_before,  # within the optimizer steps' time
         }
 
     def _record(self, history: list[dict], tokens: int, save: bool = True) -> None:

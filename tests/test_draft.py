@@ -362,7 +362,8 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
         )
         for model in (distiller.accelerator.unwrap_model(distiller.draft), target):
             assert all((layer._compiled_call_impl is not None) == compiled for layer in model.model.layers)
-        distiller.train()
+        result = distiller.train()
+        assert (result["compile_seconds"] > 0) == compiled  # what compiling took of the steps' time, reported
         distiller.save_draft(tmp_path / f"saved{compiled}")
         runs.append(seen)
         assert (tmp_path / f"saved{compiled}" / "model.safetensors").is_file()
