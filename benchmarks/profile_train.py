@@ -83,9 +83,9 @@ def one_run(
     work: Path,
     cpu: bool,
     on_step=None,
-) -> tuple[list[tuple[float, int, int]], float]:
+) -> tuple[list[tuple[float, int, int]], float, float]:
     """(the warm-up's last step and each step after it: its training tokens/s and one_time_work() as it is read,
-    peak GPU memory in GiB) of a fresh draft and a freshly
+    peak GPU memory in GiB, seconds spent compiling) of a fresh draft and a freshly
     loaded target (distill.compile compiles the target's layers in place); draft_dir None: an EAGLE-3 head.
     on_step(): called as each step's rate is read (a profiler's schedule)"""
     from transformers import AutoModelForCausalLM
@@ -114,10 +114,11 @@ def one_run(
     distiller = Distiller(cfg, draft, target, objective, rows, [], work, seed=0, cpu=cpu, log=log)
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
-    distiller.train()
+    result = distiller.train()
     # from the warm-up's last step (one_time_work's baseline) on; the last step, read at once and timed from its own
     # start where the others are timed between reads, left out
-    return [facts for step, *facts in seen if warmup <= step < cfg.max_steps], 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
+    timed = [facts for step, *facts in seen if warmup <= step < cfg.max_steps]
+    return timed, 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30, result["compile_seconds"]
 
 
 def device_busy(events) -> tuple[float, float]:
@@ -204,7 +205,7 @@ def main() -> None:
             started = time.time()
             cfg = replace(base, **variants[name])
             try:
-                timed, memory[name] = one_run(cfg, target_dir, draft_dir, rows, args.warmup, Path(tmp) / name, cpu)
+                timed, memory[name], compiling = one_run(cfg, target_dir, draft_dir, rows, args.warmup, Path(tmp) / name, cpu)
             except Exception as error:  # a variant that fails here is reported, the others still run
                 print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
                 continue
@@ -214,7 +215,8 @@ def main() -> None:
             starts = [timed[0][1:]] + [window[-1][1:] for window in windows[:-1]]
             anew = [tuple(b - a for a, b in zip(start, window[-1][1:])) for start, window in zip(starts, windows)]
             print(
-                f"{name}: {', '.join(f'{r:,.0f}' for r in rates[name])} tokens/s ({time.time() - started:.0f} s); "
+                f"{name}: {', '.join(f'{r:,.0f}' for r in rates[name])} tokens/s ({time.time() - started:.0f} s, "
+                f"{compiling:.0f} s of it compiling); "
                 f"(graphs compiled, device allocations) in each window: {anew}",
                 flush=True,
             )
