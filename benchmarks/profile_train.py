@@ -192,7 +192,8 @@ def main() -> None:
     target_dir = resolve_target_dir(TargetConfig(name_or_path="demo", cache_dir=args.cache_dir, gguf_file=None))
     cpu = args.device == "cpu"
     steps = args.warmup + args.steps * args.repeats + 1  # the last one untimed
-    base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=steps, eval_every=10**9)
+    # compile off unless a variant turns it on (the gpu preset compiles)
+    base = replace(composed("preset=gpu").distill, batch_size=args.batch, max_steps=steps, eval_every=10**9, compile=False)
     rows = synthetic_rows(args.batch * args.warmup, read_config(target_dir)["vocab_size"], seed=0)  # one pass in warm-up
     variants = HEAD_VARIANTS if args.head else VARIANTS
     names = args.variant or (list(HEAD_VARIANTS) if args.head else DEFAULT_VARIANTS)
