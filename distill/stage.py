@@ -40,8 +40,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     reference = load_reference(inputs["target"])
     target_dir = Path(reference["path"])
     rows = load_teacher(inputs["teacher"]).to_list()
-    train_rows = [r for r in rows if r["split"] == "train"]
-    eval_rows = [r for r in rows if r["split"] == "eval"]
+    train_rows, eval_rows = ([r for r in rows if r["split"] == split] for split in ("train", "eval"))
     state = PartialState(cpu=cfg.device.value == "cpu")  # one process, or one per rank under a launcher
     device = pick_device(cfg.device.value)
     vocab_size = read_config(target_dir)["vocab_size"]
