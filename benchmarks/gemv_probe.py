@@ -17,6 +17,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+from profile_shape import graph_ms  # beside this script
 
 from draftsmith.evaluate.bench_shapes import SHAPES
 from draftsmith.serve.gemv import gemv
@@ -28,24 +29,6 @@ def configs(quick: bool) -> list[tuple[int, int, int, int]]:
         return [(4, 1024, 8, 3), (8, 512, 8, 2)]  # serve/gemv.py's default, and the down projection's best
     grid = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
     return [c for c in grid if c[0] * c[1] <= 16384]  # the float32 tile in registers
-
-
-def graph_ms(run, repeats: int = 20) -> float:
-    """One CUDA graph of run(), replayed: ms a replay (median of `repeats` timed replays)."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = []
-    for _ in range(repeats + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times[2:])[repeats // 2]
 
 
 def weight_shapes(shape: str) -> dict[tuple[int, int], int]:

@@ -36,6 +36,16 @@ def cuda_ms(run, repeats: int = 100) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def graph_ms(run) -> float:
+    """run() captured as one CUDA graph (after a first, eager call: kernels built, allocations settled), replayed:
+    cuda_ms of a replay."""
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return cuda_ms(graph.replay)
+
+
 def gemv_ms(target) -> float:
     """The model's matrix products alone at one token (each layer's and the LM head), replayed from one CUDA
     graph: what cuBLAS's kernels cost for these weights, apart from everything else in a step."""
@@ -43,12 +53,7 @@ def gemv_ms(target) -> float:
 
     weights = [m.weight for m in target.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype) for w in weights}
-    run = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return cuda_ms(graph.replay)
+    return graph_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
 
 
 def step_and_verify_ms(shape: str, batch: int) -> tuple[float, float]:

@@ -75,19 +75,12 @@ def one_time_work(cpu: bool) -> tuple[int, int]:
 
 
 def one_run(
-    cfg,
-    target_dir: Path,
-    draft_dir: Path | None,
-    rows: list[dict],
-    warmup: int,
-    work: Path,
-    cpu: bool,
-    on_step=None,
+    cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], warmup: int, work: Path, cpu: bool, on_step=None
 ) -> tuple[list[tuple[float, int, int]], float, float]:
     """(the warm-up's last step and each step after it: its training tokens/s and one_time_work() as it is read,
     peak GPU memory in GiB, seconds spent compiling) of a fresh draft and a freshly
     loaded target (distill.compile compiles the target's layers in place); draft_dir None: an EAGLE-3 head.
-    on_step(): called as each step's rate is read (a profiler's schedule)"""
+    on_step(): called as each step's rate is read (a profiler's schedule)."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.distill.train import Distiller, DraftObjective
@@ -150,7 +143,7 @@ def profile(cfg, target_dir: Path, draft_dir: Path | None, rows: list[dict], war
     active = max(1, cfg.max_steps - warmup - 2)  # the last step is read at once, not as the next one runs
     activities = [ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])
     with torch_profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active)) as prof:
-        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu, prof.step)  # a step's rate is read as the next one runs
+        one_run(cfg, target_dir, draft_dir, rows, 0, work, cpu, on_step=prof.step)  # a step's rate is read as the next one runs
     if trace:
         prof.export_chrome_trace(trace)
     averages = prof.key_averages()

@@ -170,15 +170,7 @@ class UnrolledHead(nn.Module):
     windowed=False runs every step at every entry, eagerly (the same loss and gradient, more work: the unroll's
     definition, for comparison)."""
 
-    def __init__(
-        self,
-        head: EagleHead,
-        embeddings: nn.Embedding,
-        steps: int,
-        decay: float,
-        chunk: int = 0,
-        windowed: bool = True,
-    ):
+    def __init__(self, head: EagleHead, embeddings: nn.Embedding, steps: int, decay: float, chunk: int = 0, windowed: bool = True):
         super().__init__()
         self.head, self.steps, self.decay, self.chunk, self.windowed = head, steps, decay, chunk, windowed
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
