@@ -1,9 +1,11 @@
-"""How fast a batch-1 matrix-vector product can read a target's weights on this GPU: cuBLAS (what the runtime's
-F.linear runs) against the runtime's own Triton kernel (serve/gemv.py) at each of its tile sizes, and both against a
-device-to-device copy of the same bytes, for every weight shape of a target shape (random bf16 weights, every
-layer's own copy, so that the L2 cache holds none of them), each shape's products replayed from one CUDA graph.
+"""How fast a batch-1 step's products can read a target's weights on this GPU: cuBLAS (what F.linear runs) against
+the runtime's own Triton kernel (serve/gemv.py) at each of its tile sizes, and both against a device-to-device
+copy of the same bytes, for every weight shape of a target shape (random bf16 weights, every layer's own copy, so
+that the L2 cache holds none of them), each shape's products replayed from one CUDA graph; over one row of
+activations (a plain step) or several (--rows 6: a verification of 5 drafted tokens). Last, the tiles that read all
+of the shape's weights fastest together.
 
-    python3 benchmarks/gemv_probe.py [--shape llama-3.1-8b] [--quick]
+    python3 benchmarks/gemv_probe.py [--shape llama-3.1-8b] [--rows 1] [--quick]
 
 Issue 35 asks for a plain Llama-3.1-8B step of at most 3.9 ms on an H200; on 2026-12-03 the step's 129 products
 alone took 3.906 ms through cuBLAS there (3.84 TB/s) while a copy moved 4.28 TB/s. This says whether a kernel of
@@ -20,15 +22,13 @@ import torch.nn.functional as F
 from profile_shape import graph_ms  # beside this script
 
 from draftsmith.evaluate.bench_shapes import SHAPES
-from draftsmith.serve.gemv import gemv
+from draftsmith.serve.gemv import fit, gemv
 
 
 def configs(quick: bool) -> list[tuple[int, int, int, int]]:
-    """(block_n, block_k, warps, stages) to try."""
-    if quick:
-        return [(4, 1024, 8, 3), (8, 512, 8, 2)]  # serve/gemv.py's default, and the down projection's best
-    grid = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
-    return [c for c in grid if c[0] * c[1] <= 16384]  # the float32 tile in registers
+    """(block_n, block_k, warps, stages) to try (the weight tile in bf16, the sums [16, block_n])."""
+    grid = itertools.product((16, 32, 64), (128, 256, 512), (4,) if quick else (4, 8), (3, 4))
+    return [c for c in grid if c[0] * c[1] <= 16384]
 
 
 def weight_shapes(shape: str) -> dict[tuple[int, int], int]:
@@ -46,12 +46,13 @@ def weight_shapes(shape: str) -> dict[tuple[int, int], int]:
     }
 
 
-def probe(shape: str, quick: bool) -> list[tuple]:
-    rows = []
+def probe(shape: str, quick: bool, activations: int) -> tuple[list[tuple], dict]:
+    """A row of the table for each weight shape, and each tile configuration's milliseconds by shape."""
+    rows, by_config = [], {}
     for (n, k), count in weight_shapes(shape).items():
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
-        x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        ys = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in weights]
+        x = torch.randn(activations, k, device="cuda", dtype=torch.bfloat16)
+        ys = [torch.empty(activations, n, device="cuda", dtype=torch.bfloat16) for _ in weights]
         reference = F.linear(x, weights[0])
         gb = count * n * k * 2 / 1e9
         cublas = graph_ms(lambda: [F.linear(x, w, out=y) for w, y in zip(weights, ys)])
@@ -59,24 +60,25 @@ def probe(shape: str, quick: bool) -> list[tuple]:
         copy = graph_ms(lambda: [c.copy_(w) for c, w in zip(copies, weights)]) * count / len(copies) / 2  # read + write
         best = (float("inf"), None)
         for config in configs(quick):
-            if k % config[1]:
-                continue
-            y = gemv(x, weights[0], None, config)
+            tiles = fit(config, k)  # as the runtime fits its default to k
+            y = gemv(x, weights[0], None, tiles)
             if not torch.allclose(y.float(), reference.float(), rtol=2e-2, atol=2e-1):
                 raise AssertionError(f"{config} at {n}x{k}: {(y.float() - reference.float()).abs().max()}")
-            ms = graph_ms(lambda c=config: [gemv(x, w, None, c) for w in weights])
-            best = min(best, (ms, config))
+            ms = graph_ms(lambda c=tiles: [gemv(x, w, None, c) for w in weights])
+            best = min(best, (ms, tiles))
+            by_config.setdefault(config, {})[n, k] = ms
         rows.append((f"{n}x{k} x{count}", gb, cublas, best[0], best[1], copy))
-    return rows
+    return rows, by_config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    parser.add_argument("--quick", action="store_true", help="two tile configurations instead of the grid")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (1: a plain step; K + 1: a verification)")
+    parser.add_argument("--quick", action="store_true", help="4 warps only")
     args = parser.parse_args()
-    rows = probe(args.shape, args.quick)
-    print(f"\n{args.shape}, batch 1, {torch.cuda.get_device_name()}: TB/s (ms) of one graph of each shape's products")
+    rows, by_config = probe(args.shape, args.quick, args.rows)
+    print(f"\n{args.shape}, {args.rows} row(s), {torch.cuda.get_device_name()}: TB/s (ms) of one graph of each shape's products")
     print("| weights | GB | cuBLAS | Triton (block_n, block_k, warps, stages) | copy ((read + write) / s) |")
     print("|---|---:|---:|---:|---:|")
     for name, gb, cublas, triton_ms, config, copy in rows:
@@ -88,6 +90,9 @@ def main() -> None:
     print(
         f"| all | {gb:.2f} | {gb / total[0]:.2f} ({total[0]:.3f}) | {gb / total[1]:.2f} ({total[1]:.3f}) | {gb / total[2]:.2f} ({total[2]:.3f}) |"
     )
+    whole = {c: sum(ms.values()) for c, ms in by_config.items()}
+    config = min(whole, key=whole.get)
+    print(f"one configuration for every shape (block_k fitted to each): {config}, {gb / whole[config]:.2f} TB/s ({whole[config]:.3f} ms)")
 
 
 if __name__ == "__main__":

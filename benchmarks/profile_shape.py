@@ -8,8 +8,8 @@ kernels of each.
 
 --variants times the plain step and a verification over 6 tokens instead, under settings that may move them:
 torch's attention instead of the runtime's kernel, inductor's GEMM autotuning for the compiled blocks, and the
-runtime's own matrix-vector kernel (serve/gemv.py) instead of cuBLAS (all of them, or those named), in turns,
---repeats rounds: the medians and ranges.
+runtime's own kernel for one sequence's products (serve/gemv.py) instead of cuBLAS (all of them, or those named), in
+turns, --repeats rounds: the medians and ranges.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
-"""The matrix-vector product of a plain decoding step at batch 1 on a GPU: one row of activations against a
-weight matrix, read once.
+"""The products of one sequence's decoding step on a GPU: a few rows of activations (one for a plain step at batch 1,
+K + 1 for a verification) against a weight matrix, read once.
 
-At batch 1 a step's time is the time to read the weights. At the Llama-3.1-8B shape on an H100, cuBLAS's kernels
-read them at 84% of the rated bandwidth and this kernel, tuned over its tiles, at 90% (benchmarks/gemv_probe.py,
-benchmarks/RESULTS.md 2026-12-06). Each program holds BLOCK_N rows of the weight and walks the K columns BLOCK_K
-at a time, keeping float32 partial sums per lane and reducing them once at the end. Only one row: over a
-verification's 6 rows a version of it that multiplied each tile by every row took 3x cuBLAS's time, so those stay
-with cuBLAS. Needs triton; its interpreter (TRITON_INTERPRET=1) runs it on CPU tensors in float32, which is how
-the suite tests it.
+At batch 1 a step's time is the time to read the weights. Each program of the kernel holds BLOCK_N rows of the
+weight and 16 rows of activations (the rows padded with zeros), walks the K columns BLOCK_K at a time and multiplies
+each weight tile by all 16 on the tensor cores. Every row's sums are made the same way whatever the number of rows,
+so a plain step's token and the same token verified among K + 1 come out bit for bit the same: a greedy
+verification keeps exactly what plain decoding would have chosen. Mixing kernels broke that: on 2026-12-06 (H100,
+bf16, the demo target) a one-row kernel for plain steps beside cuBLAS or this kernel for verifications gave greedy
+output that parted from plain decoding's in 7 of 8 prompts (benchmarks/RESULTS.md). A batch of several sequences
+stays with cuBLAS (F.linear), whose plain steps and verifications have agreed on every measured bench.
+
+Needs triton; its interpreter (TRITON_INTERPRET=1) runs it on CPU tensors in float32, which is how the suite tests it.
 """
 
 from typing import Optional
@@ -23,14 +26,19 @@ except ImportError:  # a CPU-only install: the model uses F.linear
 
 Config = tuple[int, int, int, int]  # (block_n: weight rows a program reads, block_k, warps, stages)
 
+MAX_ROWS = 64  # one sequence's tokens the kernel takes: a verification of up to 63 drafted tokens
+CONFIG: Config = (64, 256, 4, 4)  # the tiles that read the 8B shape's weights fastest at 6 rows (gemv_probe.py, H100)
+
 
 def runs(x: Tensor, weight: Tensor) -> bool:
-    """Whether gemv runs for activations x [..., K] against weight [N, K]: one row on a GPU, a weight laid out as
-    stored, K a multiple of 16."""
+    """Whether gemv runs for activations x [1, T, K] against weight [N, K]: one sequence of at most MAX_ROWS tokens
+    on a GPU, a weight laid out as stored, K a multiple of 16."""
     return (
         triton is not None
         and x.device.type == "cuda"
-        and x.numel() == x.shape[-1]
+        and x.dim() == 3
+        and x.shape[0] == 1
+        and x.shape[1] <= MAX_ROWS
         and x.dtype == weight.dtype
         and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and weight.is_contiguous()
@@ -38,30 +46,34 @@ def runs(x: Tensor, weight: Tensor) -> bool:
     )
 
 
-def default_config(k: int) -> Config:
-    """The tiles that read the 8B shape's weights fastest (benchmarks/gemv_probe.py), block_k a divisor of k."""
-    block_k = 1024
+def fit(config: Config, k: int) -> Config:
+    """config with its block_k halved until it divides k."""
+    block_n, block_k, warps, stages = config
     while k % block_k:
         block_k //= 2
-    return 4, block_k, 8, 3
+    return block_n, block_k, warps, stages
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, config: Optional[Config] = None) -> Tensor:
-    """F.linear(x, weight, bias) for one row x [..., K] and weight [N, K], summed in float32; returns [..., N] in x's
-    dtype. config: the tiles (default_config's by default; block_k must divide K)."""
+    """F.linear(x, weight, bias) for rows x [..., K] and weight [N, K], summed in float32 (float32 products in full
+    precision); returns [..., N] in x's dtype. config: the tiles (CONFIG's, block_k fitted to K, by default)."""
     N, K = weight.shape
-    block_n, block_k, warps, stages = config or default_config(K)
-    out = torch.empty(N, dtype=x.dtype, device=x.device)
-    _gemv[(triton.cdiv(N, block_n),)](
+    rows = x.numel() // K
+    block_n, block_k, warps, stages = fit(config or CONFIG, K)
+    out = torch.empty(rows, N, dtype=x.dtype, device=x.device)
+    _gemv[(triton.cdiv(rows, 16), triton.cdiv(N, block_n))](
         x.contiguous(),
         weight,
         bias if bias is not None else weight,  # not read without HAS_BIAS
         out,
         N,
+        rows,
         K=K,
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32: unused by bf16 and fp16 products
+        EVICT="evict_first" if rows <= 16 else "",  # a weight tile read by more than one program stays in L2
         num_warps=warps,
         num_stages=stages,
     )
@@ -77,16 +89,33 @@ if triton is not None:
     op = torch.library.custom_op("draftsmith::gemv", _linear, mutates_args=())
     op.register_fake(lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
-    @triton.jit
-    def _gemv(X, W, B, Y, N, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # M is not specialized: one compiled kernel for every row count, so that each row's sums are made alike
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv(
+        X,
+        W,
+        B,
+        Y,
+        N,
+        M,
+        K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        EVICT: tl.constexpr,
+    ):
+        # rows 16 * program_id(0) .. + 15 of X (those beyond M read as zeros) against BLOCK_N rows of W; the programs
+        # that share a weight tile are launched side by side
+        m = tl.program_id(0) * 16 + tl.arange(0, 16)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_read = tl.where(n < N, n, 0)  # a last partial block reads row 0 again and stores nothing for it
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
-            w = tl.load(W + n_read[:, None] * K + cols[None, :], eviction_policy="evict_first")
-            acc += w.to(tl.float32) * tl.load(X + cols).to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
+            w = tl.load(W + n_read[:, None] * K + cols[None, :], eviction_policy=EVICT)
+            x = tl.load(X + m[:, None] * K + cols[None, :], mask=m[:, None] < M, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if HAS_BIAS:
-            y += tl.load(B + n_read).to(tl.float32)
-        tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
+            acc += tl.load(B + n_read).to(tl.float32)[None, :]
+        tl.store(Y + m[:, None] * N + n[None, :], acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))

@@ -313,8 +313,9 @@ class KVCache(nn.Module):
         return self.k[read], self.v[read]
 
 
-# On a GPU with triton, one-row products (a plain step at batch 1) read the weights with serve/gemv.py. Off until a GPU
-# has measured it against cuBLAS three times: benchmarks/profile_shape.py --variants default "gemv kernel" --repeats 3.
+# On a GPU with triton, one sequence's products (a step at batch 1) read the weights with serve/gemv.py. Off until a GPU
+# has measured it against cuBLAS three times (benchmarks/profile_shape.py --variants default "gemv kernel" --repeats 3) and
+# its greedy output against plain decoding's (tests/test_cuda_graphs.py -k gemv, bench decode).
 USE_GEMV = False
 
 

@@ -1,5 +1,5 @@
-"""The GPU matrix-vector kernel (serve/gemv.py), run by triton's interpreter on CPU tensors in float32 (the
-interpreter must be switched on before triton is imported: a subprocess), against F.linear."""
+"""The GPU kernel for one sequence's products (serve/gemv.py), run by triton's interpreter on CPU tensors in float32
+(the interpreter must be switched on before triton is imported: a subprocess), against F.linear."""
 
 import textwrap
 
@@ -17,27 +17,33 @@ CHECK = textwrap.dedent("""
     torch.manual_seed(0)
     worst = 0.0
     # weight rows not a multiple of a program's; K of 16-column blocks (the tiny SmolLM2's 96), of 64-column ones
-    # (the demo target's 576) and of several iterations of the widest; the default tiles and others
+    # (the demo target's 576) and of several iterations of the widest; a plain step's row, a verification's, more
+    # than one program's 16; the default tiles and others
     for K in (96, 576, 2048):
         for N in (4, 37):
-            x, w, b = torch.randn(1, 1, K), torch.randn(N, K), torch.randn(N)
-            block_k = gemv.default_config(K)[1]
-            assert K % block_k == 0 and block_k == min(1024, K & -K)
-            for config in (None, (8, 32, 4, 2)):
-                for bias in (None, b):
-                    out = gemv.gemv(x, w, bias, config)
-                    assert out.shape == (1, 1, N) and out.dtype == x.dtype
-                    worst = max(worst, (out - F.linear(x, w, bias)).abs().max().item() / K**0.5)
+            w, b = torch.randn(N, K), torch.randn(N)
+            for rows in (1, 6, 16, 40):
+                x = torch.randn(1, rows, K)
+                for config in (None, (16, 32, 4, 2)):
+                    for bias in (None, b):
+                        out = gemv.gemv(x, w, bias, config)
+                        assert out.shape == (1, rows, N) and out.dtype == x.dtype
+                        worst = max(worst, (out - F.linear(x, w, bias)).abs().max().item() / K**0.5)
+                        # each row as it comes out alone, bit for bit: a verified token as its plain step made it
+                        for j in {0, rows // 2, rows - 1}:
+                            assert torch.equal(gemv.gemv(x[:, j : j + 1], w, bias, config), out[:, j : j + 1]), (K, N, rows, j)
+    assert gemv.fit((64, 256, 4, 4), 96) == (64, 32, 4, 4) and gemv.fit(gemv.CONFIG, 4096) == gemv.CONFIG
     print(worst)
 """)
 
 
-def test_gemv_matches_linear():
+def test_gemv_matches_linear_and_each_row_alone():
     assert interpreted(CHECK) < 1e-5
 
 
 def test_the_model_keeps_torch_products_where_the_kernel_does_not_run():
-    """On a CPU, and over more than one row, with the kernel switched on, a model's products are F.linear's."""
+    """On a CPU, for a batch of several sequences and past MAX_ROWS tokens, with the kernel switched on, a model's
+    products are F.linear's."""
     import torch
 
     from draftsmith.serve import gemv, model
@@ -45,7 +51,9 @@ def test_the_model_keeps_torch_products_where_the_kernel_does_not_run():
     x, w = torch.randn(1, 1, 64), torch.randn(8, 64)
     assert not gemv.runs(x, w)  # a CPU tensor
     if torch.cuda.is_available():
-        assert gemv.runs(x.cuda(), w.cuda()) and not gemv.runs(torch.randn(1, 2, 64).cuda(), w.cuda())
+        xc, wc = x.cuda(), w.cuda()
+        assert gemv.runs(xc, wc) and gemv.runs(xc.expand(1, gemv.MAX_ROWS, 64), wc)
+        assert not gemv.runs(xc.expand(2, 1, 64), wc) and not gemv.runs(xc.expand(1, gemv.MAX_ROWS + 1, 64), wc)
     layer = model.Linear(64, 8)
     switched, model.USE_GEMV = model.USE_GEMV, True
     try:
