@@ -28,6 +28,9 @@
 #                                            LIMIT a call, a rerun resumes), then bench decode on those that succeeded and prompt lookup, after joining
 #                                            the files that benchmarks/qwen_coder_assets.py --pieces cut, carried one piece
 #                                            a call into $ROOT/qwen_coder/ (27 calls of ~5 s on a warm machine)
+#   bash benchmarks/h200_bench.sh gemv         serve/gemv.py: its GPU tests, gemv_probe at 1 and 6 rows, profile_shape's plain
+#                                            step and verification with and without it, three rounds at two shapes (then
+#                                            GEMV=1 ... decode: bench decode with it on)
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 #   bash benchmarks/h200_bench.sh profile8b    where a plain step and a verification go at the Llama-3.1-8B shape (random weights)
@@ -46,7 +49,7 @@
 # EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
-# PROMPTS (8): the held-out prompts of qwen_coder's bench decode. STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
+# GEMV=1 runs the CLI's commands (bench decode, bench shapes) with serve/gemv.py on. PROMPTS (8): the held-out prompts of qwen_coder's bench decode. STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
 # replaces decode's drafts; `best` there is the best job of the newest `shapes` sweep, `spread4` its 4-layer
 # spread draft and `shipped` the W4A16 drafts of the newest sweep's jobs (`pipeline`), best first.
 set -euo pipefail
@@ -55,6 +58,9 @@ out=${OUT:-/tmp/out}
 port=${PORT:-8011}
 mkdir -p "$out"
 cli=(python3 -m draftsmith.pipeline.cli)
+if [ -n "${GEMV:-}" ]; then  # the CLI with serve/gemv.py on (model.USE_GEMV), in this process
+  cli=(python3 -c "from draftsmith.serve import model; model.USE_GEMV = True; from draftsmith.pipeline.cli import main; main()")
+fi
 limit=${LIMIT:-570}
 newest() { ls -td $1 2>/dev/null | head -1; }
 get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:${PORT:-$port}$1').read().decode())"; }
@@ -110,7 +116,7 @@ sweep_results() {  # prefix: each job of the newest sweep: its result.json and e
   done
 }
 
-case "${1:?tests, train, eagle, eagle_sweep, eagle_chat, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, batch, attention, profile8b, scale, put, bg or wait}" in
+case "${1:?tests, train, eagle, eagle_sweep, eagle_chat, standalone, pipeline, shapes, decode, serve, bundles, vllm, compare, qwen_coder, gemv, batch, attention, profile8b, scale, put, bg or wait}" in
 put)  # the pieces this call carried (.gpu/qwen_coder/*, one of 60 MiB a call) kept in $ROOT/qwen_coder
   mkdir -p "$root/qwen_coder"
   cp -n .gpu/qwen_coder/* "$root/qwen_coder/" 2>/dev/null || true
@@ -310,6 +316,13 @@ PY
   "${cli[@]}" bench decode --device cuda --target "$assets"/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --data "$assets"/code_prompts.jsonl \
     --eval-fraction 0.2 --prompts "${PROMPTS:-8}" --new-tokens 128 --batch 16 --k 3 --k 5 --repeats 3 $drafts --lookup --cache-dir $root/cache \
     --out "$out/bench_decode_qwen_coder.json" 2>&1 | tail -30
+  ;;
+gemv)  # serve/gemv.py against cuBLAS: its GPU tests, its tiles at 1 and 6 rows, three rounds at two shapes
+  python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_cuda_graphs.py -k gemv 2>&1 | tail -5
+  for rows in 1 6; do python3 benchmarks/gemv_probe.py --shape llama-3.1-8b --rows $rows --quick 2>&1 | tail -n 10; done
+  for shape in llama-3.1-8b smollm2-135m; do
+    python3 benchmarks/profile_shape.py --shape $shape --variants default "gemv kernel" --repeats 3 2>&1 | tail -n 4
+  done
   ;;
 batch)
   python3 benchmarks/profile_batch.py --draft "$(bundle)/draft" --cache-dir $root/cache

@@ -182,15 +182,18 @@ def test_decode_attention_kernel_matches_torch_attention(tiny_models, dtype, spl
 
 @pytest.mark.parametrize("family", ["smollm2", "gemma2"])
 def test_the_gemv_kernel_decodes_as_plain_decoding_does(tiny_models, family, monkeypatch):
-    # serve/gemv.py for one sequence's products (model.USE_GEMV): in bfloat16 each row of a product over 8 rows is bit
-    # for bit that row's product alone, and the target's logits are torch's within rounding; then a compiled, graphed
-    # engine at batch 1, plain steps and verifications through the kernel, gives greedy speculative output equal to
-    # its plain output in bfloat16 (where a kernel for plain steps beside another for verifications parted from it)
-    # and in float32
+    # serve/gemv.py for one sequence's products (model.USE_GEMV): torch's products in float32, and in bfloat16 within
+    # rounding, each row of a product over 8 rows bit for bit that row's product alone; the target's logits torch's
+    # within rounding; then a compiled, graphed engine at batch 1, plain steps and verifications through the kernel,
+    # gives greedy speculative output equal to its plain output in bfloat16 (where a kernel for plain steps beside
+    # another for verifications parted from it) and in float32
     from draftsmith.serve import gemv, model
 
-    w, x = (torch.randn(*shape, dtype=torch.bfloat16, device="cuda") for shape in ((1000, 576), (1, 8, 576)))
+    w, x = (torch.randn(*shape, device="cuda") for shape in ((1000, 576), (1, 8, 576)))
+    torch.testing.assert_close(gemv.gemv(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)  # float32 in full
+    w, x = w.bfloat16(), x.bfloat16()
     rows = gemv.gemv(x, w)
+    assert (rows.float() - torch.nn.functional.linear(x, w).float()).abs().max() <= 0.02 * rows.float().abs().max()
     assert all(torch.equal(gemv.gemv(x[:, j : j + 1], w), rows[:, j : j + 1]) for j in range(8))
     target_dir, draft_dir = tiny_models[family]
     target = load_model(target_dir, torch.bfloat16, "cuda")
