@@ -293,6 +293,10 @@ def compile_layers(model: torch.nn.Module) -> None:
     from transformers import PreTrainedModel
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # modes x models x dtypes
+    # the modules' float attributes (norm eps, attention scale, rotary share) as constants: under dynamic shapes
+    # dynamo otherwise traces them as symbolic floats, fails to turn them into tensors and traces the whole
+    # graph again (the head's later steps: 62 s of tracing where one pass takes 29, on this project's CPU)
+    torch._dynamo.config.specialize_float = True
     if not isinstance(model, PreTrainedModel):
         model.compile_training()
         return
