@@ -30,7 +30,7 @@
 #                                            a call into $ROOT/qwen_coder/ (27 calls of ~5 s on a warm machine)
 #   bash benchmarks/h200_bench.sh gemv         serve/gemv.py: its GPU tests, gemv_probe at 1 and 6 rows, profile_shape's plain
 #                                            step and verification with and without it, three rounds at two shapes (then
-#                                            GEMV=1 ... decode: bench decode with it on)
+#                                            GEMV=0 ... decode: bench decode with it off)
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
 #   bash benchmarks/h200_bench.sh profile8b    where a plain step and a verification go at the Llama-3.1-8B shape (random weights)
@@ -49,7 +49,7 @@
 # EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
-# GEMV=1 runs the CLI's commands (bench decode, bench shapes) with serve/gemv.py on. PROMPTS (8): the held-out prompts of qwen_coder's bench decode. STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
+# GEMV=0 runs the CLI's commands (bench decode, bench shapes) with serve/gemv.py off (cuBLAS for every product). PROMPTS (8): the held-out prompts of qwen_coder's bench decode. STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
 # replaces decode's drafts; `best` there is the best job of the newest `shapes` sweep, `spread4` its 4-layer
 # spread draft and `shipped` the W4A16 drafts of the newest sweep's jobs (`pipeline`), best first.
 set -euo pipefail
@@ -58,8 +58,8 @@ out=${OUT:-/tmp/out}
 port=${PORT:-8011}
 mkdir -p "$out"
 cli=(python3 -m draftsmith.pipeline.cli)
-if [ -n "${GEMV:-}" ]; then  # the CLI with serve/gemv.py on (model.USE_GEMV), in this process
-  cli=(python3 -c "from draftsmith.serve import model; model.USE_GEMV = True; from draftsmith.pipeline.cli import main; main()")
+if [ "${GEMV:-1}" = 0 ]; then  # the CLI with serve/gemv.py off (model.USE_GEMV), in this process
+  cli=(python3 -c "from draftsmith.serve import model; model.USE_GEMV = False; from draftsmith.pipeline.cli import main; main()")
 fi
 limit=${LIMIT:-570}
 newest() { ls -td $1 2>/dev/null | head -1; }
@@ -323,7 +323,7 @@ gemv)  # serve/gemv.py against cuBLAS: its GPU tests, its tiles at 1 and 6 rows,
     tests/test_cuda_graphs.py -k gemv 2>&1 | tail -5
   for rows in 1 6; do python3 benchmarks/gemv_probe.py --shape llama-3.1-8b --rows $rows --quick 2>&1 | tail -n 10; done
   for shape in llama-3.1-8b smollm2-135m; do
-    python3 benchmarks/profile_shape.py --shape $shape --variants default "gemv kernel" --repeats 3 2>&1 | tail -n 4
+    python3 benchmarks/profile_shape.py --shape $shape --variants default cuBLAS --repeats 3 2>&1 | tail -n 4
   done
   ;;
 batch)

@@ -7,8 +7,8 @@ kernels of each.
         [--repeats 1]
 
 --variants times the plain step and a verification over 6 tokens instead, under settings that may move them:
-torch's attention instead of the runtime's kernel, inductor's GEMM autotuning for the compiled blocks, and the
-runtime's own kernel for one sequence's products (serve/gemv.py) instead of cuBLAS (all of them, or those named), in
+torch's attention instead of the runtime's kernel, inductor's GEMM autotuning for the compiled blocks, and cuBLAS
+instead of the runtime's own kernel for one sequence's products (serve/gemv.py) (all of them, or those named), in
 turns, --repeats rounds: the medians and ranges.
 """
 
@@ -70,10 +70,10 @@ def step_and_verify_ms(shape: str, batch: int) -> tuple[float, float]:
 
 
 SETTINGS = {
-    "default": {},
+    "default": {},  # as the runtime ships: its attention kernel, serve/gemv.py for large weights
     "torch attention": {"attention": False},
     "GEMM autotuning": {"autotune": True},
-    "gemv kernel": {"gemv": True},
+    "cuBLAS": {"gemv": False},
 }
 
 
@@ -94,7 +94,7 @@ def variants(shape: str, batch: int, floor: float, names: list[str], repeats: in
             torch._dynamo.reset()
             setting = SETTINGS[name]
             model.USE_DECODE_ATTENTION = setting.get("attention", True)
-            model.USE_GEMV = setting.get("gemv", False)
+            model.USE_GEMV = setting.get("gemv", True)
             inductor.max_autotune_gemm = setting.get("autotune", False)
             times[name].append(step_and_verify_ms(shape, batch))
             torch.cuda.empty_cache()
