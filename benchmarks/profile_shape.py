@@ -70,7 +70,7 @@ def step_and_verify_ms(shape: str, batch: int) -> tuple[float, float]:
 
 
 SETTINGS = {
-    "default": {},  # as the runtime ships: its attention kernel, serve/gemv.py for large weights
+    "default": {},  # as the runtime ships (its attention kernel, serve/gemv.py for large weights); the others change that
     "torch attention": {"attention": False},
     "GEMM autotuning": {"autotune": True},
     "cuBLAS": {"gemv": False},
@@ -87,15 +87,15 @@ def variants(shape: str, batch: int, floor: float, names: list[str], repeats: in
 
     from draftsmith.serve import model
 
+    shipped = {"attention": model.USE_DECODE_ATTENTION, "gemv": model.USE_GEMV, "autotune": inductor.max_autotune_gemm}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     print(f"\n{shape}, batch {batch}: the whole plain step and a 6-token verification by setting (floor {floor:.3f} ms)")
     for turn in range(repeats):
         for name in names:
             torch._dynamo.reset()
-            setting = SETTINGS[name]
-            model.USE_DECODE_ATTENTION = setting.get("attention", True)
-            model.USE_GEMV = setting.get("gemv", True)
-            inductor.max_autotune_gemm = setting.get("autotune", False)
+            setting = {**shipped, **SETTINGS[name]}
+            model.USE_DECODE_ATTENTION, model.USE_GEMV = setting["attention"], setting["gemv"]
+            inductor.max_autotune_gemm = setting["autotune"]
             times[name].append(step_and_verify_ms(shape, batch))
             torch.cuda.empty_cache()
             print(f"round {turn + 1} {name}: {times[name][-1][0]:.3f} / {times[name][-1][1]:.3f} ms", flush=True)

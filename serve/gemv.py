@@ -8,7 +8,7 @@ so a plain step's token and the same token verified among K + 1 come out bit for
 verification keeps exactly what plain decoding would have chosen. Mixing kernels broke that: on 2026-12-06 (H100,
 bf16, the demo target) a one-row kernel for plain steps beside cuBLAS or this kernel for verifications gave greedy
 output that parted from plain decoding's in 7 of 8 prompts (benchmarks/RESULTS.md). A batch of several sequences
-stays with cuBLAS (F.linear), as before.
+stays with cuBLAS (F.linear), as before, and so do weights under MIN_WEIGHT elements.
 
 Needs triton; its interpreter (TRITON_INTERPRET=1) runs it on CPU tensors in float32, which is how the suite tests it.
 """
