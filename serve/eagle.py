@@ -284,9 +284,12 @@ class EagleHead(CachedModel):
     def own_slots(self, first: list[tuple[Tensor, Tensor]], window: Tensor, steps: int) -> list[tuple[Tensor, Tensor]]:
         """Each layer's empty slots for the keys and values of steps 1 .. steps - 1 at the window [B, W]:
         [B, W, steps - 1, H_kv, D] each (zeros, masked until a step writes them)."""
-        B, kv_heads, _, D = first[0][0].shape
-        empty = lambda: first[0][0].new_zeros(B, window.shape[1], steps - 1, kv_heads, D)
-        return [(empty(), empty()) for _ in first]  # no two alike: a compiled step guards on which inputs alias
+        keys = first[0][0]
+        B, kv_heads, _, D = keys.shape
+        # each its own tensor, needing a gradient where the keys do, as the slots that later steps pass on will: a
+        # compiled step guards on which of its inputs alias and which need one, and would compile again
+        empty = lambda: keys.new_zeros(B, window.shape[1], steps - 1, kv_heads, D, requires_grad=keys.requires_grad)
+        return [(empty(), empty()) for _ in first]
 
 
 def _run_layers(

@@ -363,13 +363,13 @@ def test_one_graph_serves_every_later_step_and_the_first_breaks_only_at_its_atte
     head, embeddings, batch, features, _ = uneven_case(tiny_models, layers=2)
     index = eagle.UnrollIndex.of(batch, 4)
     student = eagle.UnrolledHead(head, embeddings, 4, 0.8)
-    with torch.no_grad():
-        _, hidden, kv, own = student._first(batch.input_ids, features, index.at[0], index.window)
-    for flex in (False, True):  # through FlexAttention too (traced without gradients: it has no backward on a CPU)
+    # through FlexAttention too, traced without gradients (it has no backward on a CPU)
+    for flex, gradients in ((False, True), (True, False)):
         torch._dynamo.reset()
         counter = CompileCounter()
         later = torch.compile(student._later, backend=counter, dynamic=True)
-        with torch.no_grad():
+        with torch.set_grad_enabled(gradients):
+            _, hidden, kv, own = student._first(batch.input_ids, features, index.at[0], index.window)
             h, slots = hidden, own
             for j in range(1, 4):
                 _, h, slots = later(h, kv, slots, batch.input_ids, index.window, index.at[j], torch.tensor(j), flex)
