@@ -161,28 +161,31 @@ def window_attention(
 def flex_window_attention(
     attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor, filled: Tensor
 ) -> Tensor:
-    """window_attention through FlexAttention, which never writes the scores out and skips blocks of keys that no
-    query of a block reads: step 0's keys and the window's own slots (entry-major) side by side, [E | W x J], under a
-    mask that lets entry w read step 0's up to `entries[b, w]` and its own first `filled`. Training on CUDA only:
-    FlexAttention has no backward on a CPU."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    """window_attention in two parts merged by their log-sum-exps: step 0's keys through FlexAttention, which never
+    writes the scores out and skips blocks of keys past every query of a block (entry w reads up to `entries[b, w]`),
+    and the entry's own first `filled` slots written out, J scores a query (through FlexAttention, those few keys of
+    each entry would have taken a block of 128 keys a slot, most of the steps' attention time on an H100). Training on
+    CUDA only: FlexAttention has no backward on a CPU."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     B, W, H, D = q.shape
     kv_heads, E, J = keys.shape[1], keys.shape[2], own_keys.shape[2]
-    side_by_side = lambda first, own: torch.cat([first, own.permute(0, 3, 1, 2, 4).reshape(B, kv_heads, W * J, D)], dim=2)
-    visible = lambda b, h, w, u: torch.where(u < E, u <= entries[b, w], ((u - E) // J == w) & ((u - E) % J < filled))
     cap = attention.args.attn_softcap
     capped = (lambda score, b, h, w, u: torch.tanh(score / cap) * cap) if cap else None
-    mask = create_block_mask(visible, B, None, W, E + W * J, device=q.device)
-    y = flex_attention(
-        q.transpose(1, 2),
-        side_by_side(keys, own_keys),
-        side_by_side(values, own_values),
-        score_mod=capped,
-        block_mask=mask,
-        scale=attention.scale,
-        enable_gqa=kv_heads != H,
-    )
+    mask = create_block_mask(lambda b, h, w, u: u <= entries[b, w], B, None, W, E, device=q.device)
+    first, aux = flex_attention(
+        q.transpose(1, 2), keys, values, capped, mask, attention.scale, kv_heads != H, return_aux=AuxRequest(lse=True)
+    )  # [B, H, W, D], and the log-sum-exp [B, H, W]: every entry reads step 0's key 0 at least
+    first_lse = aux.lse
+    grouped = q.view(B, W, kv_heads, H // kv_heads, D)
+    own = torch.einsum("bwkgd,bwjkd->bkgwj", grouped, own_keys).float().reshape(B, H, W, J) * attention.scale
+    if cap:
+        own = torch.tanh(own / cap) * cap
+    own = own.masked_fill(torch.arange(J, device=q.device) >= filled, float("-inf"))
+    total = torch.logaddexp(first_lse, own.logsumexp(-1))  # [B, H, W]
+    p = (own - total.unsqueeze(-1)).exp().view(B, kv_heads, H // kv_heads, W, J)
+    mine = torch.einsum("bkgwj,bwjkd->bkgwd", p, own_values.float()).reshape(B, H, W, D)
+    y = (first.float() * (first_lse - total).exp().unsqueeze(-1) + mine).to(q.dtype)
     return attention.wo(y.transpose(1, 2).reshape(B, W, H * D))
 
 
