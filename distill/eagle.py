@@ -18,7 +18,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -163,8 +163,7 @@ class UnrolledHead(nn.Module):
     """The head unrolled for training: forward returns the loss and, when asked, per-step metrics (a module of
     its own so that data-parallel training sees one forward). The token embedding is the target's, frozen.
     The unroll (every step's layers and final norm) is two functions that distill.compile compiles: step 0,
-    whose attention stays outside compiled code, and one later step, one graph for every later step (the step a
-    tensor, its own keys in fixed slots); the loss over the draft
+    whose attention stays outside compiled code, and the later steps, one graph; the loss over the draft
     vocabulary runs chunk by chunk after it (distill.loss_chunk_size). On CUDA the compiled later steps attend
     through FlexAttention (serve/eagle.py flex_window_attention: faster than the written-out attention, and
     smaller, as benchmarks/profile_train.py measures); elsewhere, and eagerly, written out.
@@ -186,38 +185,28 @@ class UnrolledHead(nn.Module):
         """A step's normalised hidden states [B, E or W, hidden] at its flat entries `where` (what the LM head reads)."""
         return self.head.norm(hidden.flatten(0, 1).index_select(0, where))
 
-    def _first(
-        self, tokens: Tensor, features: Tensor, where: Tensor, window: Tensor
-    ) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]:
-        """(Step 0's states read at its entries `where` [N_0, hidden]; what the later steps read: its hidden states at
-        the window [B, W, hidden], its keys and values, and the empty slots for their own)."""
+    def _first(self, tokens: Tensor, features: Tensor, where: Tensor) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+        """(Step 0's states read at its entries `where` [N_0, hidden]; its hidden states and keys and values, what the
+        later steps read)."""
         hidden, first = self.head.first_step(tokens, features, self.embeddings)
-        at_window = hidden.gather(1, window.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return self._read(hidden, where), at_window, first, self.head.own_slots(first, window, self.steps)
+        return self._read(hidden, where), hidden, first
 
     def _later(
-        self, hidden: Tensor, first: list, own: list, tokens: Tensor, window: Tensor, where: Tensor, step: Tensor, flex: bool = False
-    ) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
-        """One later step (`step`, a 0-dim tensor): (its states read at its entries `where` (into [B * W]), its hidden
-        states and slots, what the next step reads); flex: attending through FlexAttention."""
-        hidden, own = self.head.later_step(hidden, first, own, tokens, self.embeddings, step, window, flex)
-        return self._read(hidden, where), hidden, own
+        self, hidden: Tensor, first: list, tokens: Tensor, window: Tensor, at: tuple[Tensor, ...], flex: bool = False
+    ) -> list[Tensor]:
+        """Steps 1 and later's states read at their entries `at[j]` (into [B * W]); flex: attending through FlexAttention."""
+        steps = self.head.later_steps(hidden, first, tokens, self.embeddings, self.steps, window, flex)
+        return [self._read(h, where) for where, h in zip(at, steps)]
 
-    def _states(self, tokens: Tensor, features: Tensor, index: UnrollIndex) -> Iterator[Tensor]:
-        """Step j's normalised hidden states at its entries [N_j, hidden], step by step."""
+    def _states(self, tokens: Tensor, features: Tensor, index: UnrollIndex) -> list[Tensor]:
+        """Step j's normalised hidden states at its entries [N_j, hidden]."""
         if not self.windowed:
             unrolled = self.head.unroll(tokens, features, self.embeddings, self.steps)
-            yield from (self._read(h, where) for where, h in zip(index.entries, unrolled))
-            return
+            return [self._read(h, where) for where, h in zip(index.entries, unrolled)]
         compiled = self.compiled is not None and torch.is_grad_enabled()  # held-out passes: no second compilation
         first, later = self.compiled if compiled else (self._first, self._later)
-        normed, hidden, kv, own = first(tokens, features, index.at[0], index.window)
-        yield normed
-        ids = torch.arange(self.steps, device=tokens.device)  # made on the device: a copy from the host would wait
-        for j in range(1, self.steps):
-            step = ids[j].clone()  # a tensor of its own, not a view (a view's offset would be a guard)
-            normed, hidden, own = later(hidden, kv, own, tokens, index.window, index.at[j], step, compiled and hidden.is_cuda)
-            yield normed
+        normed, hidden, kv = first(tokens, features, index.at[0])
+        return [normed, *later(hidden, kv, tokens, index.window, index.at[1:], compiled and hidden.is_cuda)]
 
     def forward(
         self, tokens: Tensor, features: Tensor, target_logits: Tensor, index: UnrollIndex, loss_fn, labels: Tensor | None = None

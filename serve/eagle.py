@@ -111,22 +111,20 @@ class EagleLayer(nn.Module):
         sin: Tensor,
         entries: Tensor,
         first: tuple[Tensor, Tensor],
-        own: tuple[Tensor, Tensor],
-        step: Tensor,
+        own: list[tuple[Tensor, Tensor]],
         flex: bool = False,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    ) -> Tensor:
         """A training-time-test step after the first over a window of entries [B, W, hidden]: entry `entries` [B, W]
-        attends to the first step's keys and values up to it (`first`, [B, H_kv, E, D]) and to its own at steps 1 to
-        `step` (a 0-dim tensor), which `own` holds in slots [B, W, J, H_kv, D], one a later step (this step's are
-        written into slot step - 1; the slots past it are masked): the keys unrolled() would let through, and no
-        others. flex: through flex_window_attention, else window_attention. -> (h, own with this step's)."""
+        attends to the first step's keys and values up to it (`first`, [B, H_kv, E, D]) and to its own at the
+        steps since (`own`, this step's appended): the keys unrolled() would let through, and no others. flex:
+        through flex_window_attention, else window_attention."""
         x, residual = self.attention_input(h, embeds)
-        q, k, v = self.attention.project(x, cos, sin)  # k, v [B, W, H_kv, D]
-        slot = (torch.arange(own[0].shape[2], device=h.device) == step - 1)[:, None, None]
-        own = tuple(torch.where(slot, new.unsqueeze(2), kept) for new, kept in zip((k, v), own))
+        q, k, v = self.attention.project(x, cos, sin)
+        own.append((k, v))  # [B, W, H_kv, D]
+        own_keys, own_values = (torch.stack(parts, dim=2) for parts in zip(*own))  # [B, W, j, H_kv, D]
         attend = flex_window_attention if flex else window_attention
-        h = residual + attend(self.attention, q, *first, entries, *own, step)
-        return h + self.feed_forward(self.ffn_norm(h)), own
+        h = residual + attend(self.attention, q, *first, entries, own_keys, own_values)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 @torch.compiler.disable
@@ -138,54 +136,50 @@ def _attend_eagerly(attention: Attention, q: Tensor, keys: Tensor, values: Tenso
 
 
 def window_attention(
-    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor, filled: Tensor
+    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor
 ) -> Tensor:
     """Training-time test's attention at a step j >= 1, written out: q [B, W, H, D] at entries [B, W] over the first
-    step's keys, values [B, H_kv, E, D] up to the query's entry, and over its own entry's at steps 1..j, the first
-    `filled` = j of the slots own_keys, own_values [B, W, J, H_kv, D]; one softmax over both: E + J scores a query,
-    where a mask over every step's whole keys gives (j + 1) E. -> [B, W, hidden]."""
+    step's keys, values [B, H_kv, E, D] up to the query's entry, and over its own entry's at steps 1..j
+    (own_keys, own_values [B, W, j, H_kv, D]), one softmax over both: E + j scores a query, where a mask over
+    every step's whole keys gives (j + 1) E. -> [B, W, hidden]."""
     B, W, H, D = q.shape
-    kv_heads, E, J = keys.shape[1], keys.shape[2], own_keys.shape[2]
+    kv_heads, E = keys.shape[1], keys.shape[2]
     q = q.view(B, W, kv_heads, H // kv_heads, D)  # query head h reads KV head h // groups
     scores = torch.cat([torch.einsum("bwkgd,bkud->bkgwu", q, keys), torch.einsum("bwkgd,bwjkd->bkgwj", q, own_keys)], dim=-1)
     scores = scores.float() * attention.scale
     if attention.args.attn_softcap:
         scores = torch.tanh(scores / attention.args.attn_softcap) * attention.args.attn_softcap
     unseen = torch.arange(E, device=q.device) > entries.unsqueeze(-1)  # [B, W, E]: the first step's keys past the entry
-    unfilled = (torch.arange(J, device=q.device) >= filled).expand(B, W, J)  # the slots of steps after this one
-    p = scores.masked_fill(torch.cat([unseen, unfilled], dim=-1)[:, None, None], float("-inf")).softmax(-1).to(values.dtype)
+    p = scores.masked_fill(F.pad(unseen, (0, own_keys.shape[2]))[:, None, None], float("-inf")).softmax(-1).to(values.dtype)
     y = torch.einsum("bkgwu,bkud->bwkgd", p[..., :E], values) + torch.einsum("bkgwj,bwjkd->bwkgd", p[..., E:], own_values)
     return attention.wo(y.reshape(B, W, H * D))
 
 
 def flex_window_attention(
-    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor, filled: Tensor
+    attention: Attention, q: Tensor, keys: Tensor, values: Tensor, entries: Tensor, own_keys: Tensor, own_values: Tensor
 ) -> Tensor:
-    """window_attention in two parts merged by their log-sum-exps: step 0's keys through FlexAttention, which never
-    writes the scores out and skips blocks of keys past every query of a block (entry w reads up to `entries[b, w]`),
-    and the entry's own first `filled` slots written out, J scores a query (through FlexAttention, those few keys of
-    each entry would have taken a block of 128 keys a slot, most of the steps' attention time on an H100). Training on
-    CUDA only: FlexAttention has no backward on a CPU."""
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    """window_attention through FlexAttention, which never writes the scores out and skips blocks of keys that no
+    query of a block reads: step 0's keys and the window's own (entry-major) side by side, [E | W x j], under a mask
+    that lets entry w read step 0's up to `entries[b, w]` and its own j. Training on CUDA only: FlexAttention has
+    no backward on a CPU."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, W, H, D = q.shape
-    kv_heads, E, J = keys.shape[1], keys.shape[2], own_keys.shape[2]
+    kv_heads, E, j = keys.shape[1], keys.shape[2], own_keys.shape[2]
+    side_by_side = lambda first, own: torch.cat([first, own.permute(0, 3, 1, 2, 4).reshape(B, kv_heads, W * j, D)], dim=2)
+    visible = lambda b, h, w, u: torch.where(u < E, u <= entries[b, w], (u - E) // j == w)
     cap = attention.args.attn_softcap
     capped = (lambda score, b, h, w, u: torch.tanh(score / cap) * cap) if cap else None
-    mask = create_block_mask(lambda b, h, w, u: u <= entries[b, w], B, None, W, E, device=q.device)
-    first, aux = flex_attention(
-        q.transpose(1, 2), keys, values, capped, mask, attention.scale, kv_heads != H, return_aux=AuxRequest(lse=True)
-    )  # [B, H, W, D], and the log-sum-exp [B, H, W]: every entry reads step 0's key 0 at least
-    first_lse = aux.lse
-    grouped = q.view(B, W, kv_heads, H // kv_heads, D)
-    own = torch.einsum("bwkgd,bwjkd->bkgwj", grouped, own_keys).float().reshape(B, H, W, J) * attention.scale
-    if cap:
-        own = torch.tanh(own / cap) * cap
-    own = own.masked_fill(torch.arange(J, device=q.device) >= filled, float("-inf"))
-    total = torch.logaddexp(first_lse, own.logsumexp(-1))  # [B, H, W]
-    p = (own - total.unsqueeze(-1)).exp().view(B, kv_heads, H // kv_heads, W, J)
-    mine = torch.einsum("bkgwj,bwjkd->bkgwd", p, own_values.float()).reshape(B, H, W, D)
-    y = (first.float() * (first_lse - total).exp().unsqueeze(-1) + mine).to(q.dtype)
+    mask = create_block_mask(visible, B, None, W, E + W * j, device=q.device)
+    y = flex_attention(
+        q.transpose(1, 2),
+        side_by_side(keys, own_keys),
+        side_by_side(values, own_values),
+        score_mod=capped,
+        block_mask=mask,
+        scale=attention.scale,
+        enable_gqa=kv_heads != H,
+    )
     return attention.wo(y.transpose(1, 2).reshape(B, W, H * D))
 
 
@@ -232,7 +226,7 @@ class EagleHead(CachedModel):
         data's: a draft is only continued where the earlier ones were accepted) and its own step j - 1
         output, and attends to step 0's entries up to t and to its own earlier steps, exactly what an
         inference step's cache holds; it predicts the token at t + j + 2. Training runs the steps after the
-        first only where a loss reads them (later_step())."""
+        first only where a loss reads them (later_steps())."""
         hidden, first = self.first_step(tokens, features, embeddings)
         yield hidden
         E = tokens.shape[1] - 1
@@ -259,40 +253,29 @@ class EagleHead(CachedModel):
             hidden = layer.unrolled(hidden, embeds, cos, sin, mask, cache)
         return hidden, [cache[0] for cache in caches]
 
-    def later_step(
+    def later_steps(
         self,
         hidden: Tensor,
         first: list[tuple[Tensor, Tensor]],
-        own: list[tuple[Tensor, Tensor]],
         tokens: Tensor,
         embeddings: nn.Module,
-        step: Tensor,
+        steps: int,
         window: Tensor,
         flex: bool = False,
-    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """Training-time test's step `step` >= 1 (a 0-dim tensor: one compiled graph serves every later step), run only
-        at each row's window of entries [B, W]: from the step before's hidden states there [B, W, hidden], step 0's
-        keys and values (`first`) and each layer's slots of its own (`own`, from own_slots) -> (this step's hidden
-        states [B, W, hidden], the slots with its keys and values). An entry's value at a step depends only on its own
-        at the steps before and on step 0's. flex: attention through flex_window_attention."""
+    ) -> Iterator[Tensor]:
+        """Training-time test's steps 1 .. steps - 1 from step 0's hidden states [B, E, hidden] and keys and values
+        (`first`), run only at each row's window of entries [B, W] and yielding [B, W, hidden]: an entry's value at
+        a step depends only on its own at the steps before and on step 0's. flex: attention through
+        flex_window_attention."""
         E = tokens.shape[1] - 1
-        embeds = embeddings(tokens.gather(1, (window + step + 1).clamp(max=E))).to(hidden.dtype)
-        cos, sin = rope_at(self.args, window + step, hidden.dtype)
-        slots = []
-        for layer, kv, kept in zip(self.layers, first, own):
-            hidden, kept = layer.windowed(hidden, embeds, cos, sin, window, kv, kept, step, flex)
-            slots.append(kept)
-        return hidden, slots
-
-    def own_slots(self, first: list[tuple[Tensor, Tensor]], window: Tensor, steps: int) -> list[tuple[Tensor, Tensor]]:
-        """Each layer's empty slots for the keys and values of steps 1 .. steps - 1 at the window [B, W]:
-        [B, W, steps - 1, H_kv, D] each (zeros, masked until a step writes them)."""
-        keys = first[0][0]
-        B, kv_heads, _, D = keys.shape
-        # each its own tensor, needing a gradient where the keys do, as the slots that later steps pass on will: a
-        # compiled step guards on which of its inputs alias and which need one, and would compile again
-        empty = lambda: keys.new_zeros(B, window.shape[1], steps - 1, kv_heads, D, requires_grad=keys.requires_grad)
-        return [(empty(), empty()) for _ in first]
+        hidden = hidden.gather(1, window.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        owns: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
+        for j in range(1, steps):
+            embeds = embeddings(tokens.gather(1, (window + j + 1).clamp(max=E))).to(hidden.dtype)
+            cos, sin = rope_at(self.args, window + j, hidden.dtype)
+            for layer, kv, own in zip(self.layers, first, owns):
+                hidden = layer.windowed(hidden, embeds, cos, sin, window, kv, own, flex)
+            yield hidden
 
 
 def _run_layers(
