@@ -86,13 +86,9 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
     first, last = result["history"][0], result["history"][-1]
     kept = next(h for h in result["history"] if h["step"] == result["kept_step"])
     if kept is not last:
+        lowest = (kept["step"], last["step"], kept["eval_tvd"], last["eval_tvd"])
         log.warning(
-            "distill: the held-out TVD was lowest at step %d of %d (%.4f against %.4f at the end): the draft of step %d ships",
-            kept["step"],
-            last["step"],
-            kept["eval_tvd"],
-            last["eval_tvd"],
-            kept["step"],
+            "distill: the held-out TVD was lowest at step %d of %d (%.4f against %.4f at the end): that step's draft ships", *lowest
         )
     return {
         "kind": cfg.draft.kind.value,
@@ -105,6 +101,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         "tokens_per_s": round(result["tokens_per_s"], 1),  # over the optimizer steps
         "tokens_per_s_stage": round(result["tokens_this_run"] / (time.time() - started), 1),  # loading, compiling, evaluations too
         "compile_seconds": round(result["compile_seconds"], 1),  # torch.compile's part of the stage (distill.compile)
+        **{k: v for k, v in result.items() if k.startswith("target_states")},  # distill.target_states_gib's use
         "draft_vocab_size": len(vocab),
         "draft_vocab_coverage": round(covered, 4),
         "draft_vocab_coverage_by_size": by_size,  # held-out answers' tokens that other sizes would hold

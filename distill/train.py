@@ -10,6 +10,7 @@ so a resumed run sees the same batches an uninterrupted one would. Several proce
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import random
 import shutil
@@ -27,6 +28,7 @@ from draftsmith.distill.on_policy import DraftSampler
 from draftsmith.pipeline.config import DistillConfig
 from draftsmith.serve.sampling import to_device
 
+log = logging.getLogger("draftsmith")
 BEST = "best"  # in the work dir: the student at its best held-out evaluation so far (distill.keep_best)
 
 
@@ -166,6 +168,7 @@ class KeptStates:
         self.capped = False  # the budget has been set against the device's free memory
         self.registered: dict[int, dict] = {}  # id -> row, which also keeps the row (and so its id) alive
         self.states: dict[int, torch.Tensor] = {}
+        self.left_out: set[int] = set()  # registered rows that the budget could not keep: they run the target each time
 
     def keep(self, rows: Sequence[dict]) -> None:
         if self.budget > 0:
@@ -184,11 +187,31 @@ class KeptStates:
             self.budget, self.capped = min(self.budget, torch.cuda.mem_get_info(todo.input_ids.device)[0] / 4), True
         for key, part in computed.items():
             size = part.numel() * part.element_size()
-            if key in self.registered and key not in self.states and self.used + size <= self.budget:
+            if key not in self.registered or key in self.states:
+                continue
+            if self.used + size <= self.budget:
                 # a copy, not a view: a view would keep the whole (padded) batch's tensor alive, past the budget
                 self.states[key] = part.clone()
                 self.used += size
+            else:
+                if not self.left_out:
+                    log.warning(
+                        "distill: the target's states fill their budget of %.1f GiB (distill.target_states_gib, on a GPU at"
+                        " most a quarter of the memory free at the first forward) after %d rows: the rows beyond run the"
+                        " target at every step",
+                        self.budget / 2**30,
+                        len(self.states),
+                    )
+                self.left_out.add(key)
         return [computed[id(row)] if id(row) in computed else self.states[id(row)] for row in batch.sources]
+
+    def summary(self) -> dict[str, float]:
+        """The rows whose states are kept, their GiB, and the registered rows seen so far that did not fit."""
+        return {
+            "target_states_rows": len(self.states),
+            "target_states_gib": round(self.used / 2**30, 3),
+            "target_states_rows_left_out": len(self.left_out),
+        }
 
     def hidden(self, target, batch: Batch) -> torch.Tensor:
         """The target's final hidden states at the batch's response positions [N, H], in `labels` order."""
@@ -521,6 +544,7 @@ class Distiller:
             "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0,
             "tokens_this_run": tokens - tokens_at_start,  # not those of a run this one resumed
             "compile_seconds": compile_seconds() - compiled_before,  # within the optimizer steps' time
+            **self.objective.kept.summary(),
         }
 
     def _record(self, history: list[dict], tokens: int, save: bool = True) -> None:

@@ -1,6 +1,7 @@
 """Draft construction and shared-tokenizer enforcement."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -435,7 +436,7 @@ def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(t
     assert (parts["tokens"], parts["greedy_agreement"]) == (whole["tokens"], whole["greedy_agreement"]) and whole["tokens"] == 39
 
 
-def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny_models, tmp_path):
+def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny_models, tmp_path, caplog):
     """distill.target_states_gib: the target's states at the training rows are kept from their first
     forward, so later epochs run only its LM head; the draft takes the same steps as with the target run
     on every step (budget 0). A row that was not registered (an on-policy continuation) and rows past the
@@ -476,7 +477,8 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
             cpu=True,
             log=lambda step, m: losses_seen.append(m["train_loss"]) if "lr" in m else None,
         )
-        distiller.train()
+        result = distiller.train()
+        assert result["target_states_rows"] == (12 if gib else 0) and result["target_states_rows_left_out"] == 0
         runs[gib] = (
             len(layer_calls),
             losses_seen,
@@ -489,7 +491,8 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
     for name, weight in runs[0.0][2].items():
         torch.testing.assert_close(runs[1.0][2][name], weight, rtol=1e-4, atol=1e-5, msg=name)
 
-    # the store itself: a budget of one row's states keeps that row only; an unregistered row runs the target
+    # the store itself: a budget of one row's states keeps that row only, says so once and counts the row left
+    # out; an unregistered row runs the target
     first = collate(rows[:1], 24, torch.device("cpu"))
     size = first.num_targets * target.config.hidden_size * 4
     kept = KeptStates(size, 24)
@@ -497,8 +500,10 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
     both = collate(rows[:2], 24, torch.device("cpu"), pack=True)  # packed longest first: labels in `sources` order
     alone, expected = predicted_hidden(target, first), predicted_hidden(target, both)
     layer_calls.clear()
+    caplog.set_level(logging.WARNING, logger="draftsmith")
     torch.testing.assert_close(kept.hidden(target, both), expected)
     assert list(kept.states) == [id(rows[0])] and kept.used == size
+    assert kept.summary() == {"target_states_rows": 1, "target_states_gib": round(size / 2**30, 3), "target_states_rows_left_out": 1}
     assert kept.states[id(rows[0])].untyped_storage().nbytes() == size  # what the budget counts: not the batch's tensor
     torch.testing.assert_close(kept.hidden(target, first), alone, rtol=1e-5, atol=1e-5)
     assert len(layer_calls) == 1  # the first batch: the kept row alone ran nothing
@@ -510,3 +515,4 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
     stranger = collate([dict(rows[0])], 24, torch.device("cpu"))  # equal tokens, another row: not registered
     kept.hidden(target, stranger)
     assert len(layer_calls) == 3 and len(kept.states) == 1
+    assert sum("fill their budget" in r.getMessage() for r in caplog.records) == 1
