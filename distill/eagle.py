@@ -176,10 +176,11 @@ class UnrolledHead(nn.Module):
         self.__dict__["embeddings"] = embeddings  # not a submodule: not trained, not checkpointed
         self.__dict__["compiled"] = None  # distill.compile: (step 0, the later steps), compiled by compile_training
 
-    def compile_training(self) -> None:
+    def compile_training(self, on: bool = True) -> None:
         """torch.compile the windowed unroll's two parts (dynamic shapes: rows differ in length batch to batch), for
-        training steps: held-out passes run them eagerly, as a no-grad call would compile them a second time."""
-        self.__dict__["compiled"] = (torch.compile(self._first, dynamic=True), torch.compile(self._later, dynamic=True))
+        training steps: held-out passes run them eagerly, as a no-grad call would compile them a second time.
+        on=False: eagerly again, attention written out (the trainer's way on where compiling failed)."""
+        self.__dict__["compiled"] = (torch.compile(self._first, dynamic=True), torch.compile(self._later, dynamic=True)) if on else None
 
     def _read(self, hidden: Tensor, where: Tensor) -> Tensor:
         """A step's normalised hidden states [B, E or W, hidden] at its flat entries `where` (what the LM head reads)."""

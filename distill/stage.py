@@ -101,7 +101,7 @@ def run(cfg: DraftsmithConfig, inputs: Mapping[str, StageOutput], out: Path) -> 
         "tokens_per_s": round(result["tokens_per_s"], 1),  # over the optimizer steps
         "tokens_per_s_stage": round(result["tokens_this_run"] / (time.time() - started), 1),  # loading, compiling, evaluations too
         "compile_seconds": round(result["compile_seconds"], 1),  # torch.compile's part of the stage (distill.compile)
-        **{k: v for k, v in result.items() if k.startswith("target_states")},  # distill.target_states_gib's use
+        **{k: v for k, v in result.items() if k.startswith(("target_states", "compile_failed"))},  # states kept; compiling's failure
         "draft_vocab_size": len(vocab),
         "draft_vocab_coverage": round(covered, 4),
         "draft_vocab_coverage_by_size": by_size,  # held-out answers' tokens that other sizes would hold

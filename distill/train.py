@@ -9,6 +9,7 @@ so a resumed run sees the same batches an uninterrupted one would. Several proce
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -394,6 +395,7 @@ class Distiller:
             raise ValueError(f"no training example has a response within distill.max_seq_len={cfg.max_seq_len} tokens")
         self.cfg, self.train_rows, self.eval_rows, self.work_dir, self.seed, self.log = cfg, train_rows, eval_rows, work_dir, seed, log
         self.objective, self.eos = objective, frozenset(eos)
+        self.compile_failed_at: int | None = None  # the step from which training runs uncompiled (0: the first evaluation)
         objective.keep_target_states(train_rows)
         self.sampler = DraftSampler()
         self.pack = cfg.pack_sequences and objective.packs
@@ -457,12 +459,49 @@ class Distiller:
         size = max(1, len(mine) // self.cfg.grad_accum_steps)
         return [mine[i : i + size] for i in range(0, len(mine), size)][: self.cfg.grad_accum_steps]
 
-    def evaluate(self) -> dict[str, float]:
-        """The objective's held-out metrics (nothing without the target or held-out rows)."""
+    def _compiled_or_not(self, run: Callable[[], Any], step: int) -> Any:
+        """run() (step `step`'s micro-batches, or its held-out evaluation). Where torch.compile fails in it (inductor
+        failed on an H200 at step 20 of a head's run), it runs again without compiling, and so does everything after
+        it: slower, with a warning, not a lost run."""
+        try:
+            with torch.compiler.set_stance("force_eager") if self.compile_failed_at is not None else contextlib.nullcontext():
+                return run()
+        except torch._dynamo.exc.TorchDynamoException as error:
+            if self.compile_failed_at is not None:
+                raise
+            cause = getattr(error, "inner_exception", None) or error  # what the backend raised
+            log.warning(
+                "distill: torch.compile failed at step %d (%s: %s); it and the rest train without compiling, slower "
+                "(TORCHDYNAMO_VERBOSE=1 prints where; distill.compile=false skips compiling)",
+                *(step, type(cause).__name__, (str(cause).strip().splitlines() or [""])[0]),
+            )
+            self.compile_failed_at = step
+            self.optimizer.zero_grad(set_to_none=True)
+            student = self.accelerator.unwrap_model(self.draft)
+            if hasattr(student, "compile_training"):  # a model that compiles parts of its own (an EAGLE-3 head's unroll)
+                student.compile_training(False)
+            return self._compiled_or_not(run, step)
+
+    def _micro_steps(self, step: int) -> tuple[torch.Tensor, int]:
+        """Step `step`'s micro-batches, forward and backward: (their loss, summed on the device; the tokens they train)."""
+        micro, step_loss, tokens = self._micro_batches(step), torch.zeros((), device=self.device), 0
+        for i, rows in enumerate(micro):
+            batch = collate(self._on_policy(rows, step, i), self.cfg.max_seq_len, self.device, pack=self.pack)
+            with self.accelerator.autocast():
+                loss = self.objective.loss(self.draft, self.target, batch) / len(micro)
+            with record_function("backward"):  # names in benchmarks/profile_train.py --profile
+                self.accelerator.backward(loss)
+            step_loss += loss.detach()
+            tokens += batch.num_targets * self.accelerator.num_processes
+        return step_loss, tokens
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The objective's held-out metrics at `step` (nothing without the target or held-out rows)."""
         if self.target is None or not self.eval_rows:
             return {}
         self.draft.eval()
-        metrics = self.objective.held_out(self.accelerator.unwrap_model(self.draft), self.target, self.eval_rows, self.device)
+        held_out = lambda: self.objective.held_out(self.accelerator.unwrap_model(self.draft), self.target, self.eval_rows, self.device)
+        metrics = self._compiled_or_not(held_out, step)
         self.draft.train()
         return metrics
 
@@ -477,7 +516,7 @@ class Distiller:
         if progress_state and self.accelerator.is_main_process:
             print(f"distill: resuming from the checkpoint at step {step} of {cfg.max_steps} in {self.work_dir}", flush=True)
         if not history:
-            history.append({"step": 0, **self.evaluate()})
+            history.append({"step": 0, **self.evaluate(0)})
             self._record(history, tokens, save=False)
         self.draft.train()
         train_seconds, tokens_at_start = 0.0, tokens  # optimizer steps only, not evaluation or checkpoints
@@ -506,16 +545,8 @@ class Distiller:
 
             while step < cfg.max_steps:
                 step_started, step_tokens = time.time(), tokens
-                step_loss = torch.zeros((), device=self.device)
-                micro = self._micro_batches(step)
-                for i, rows in enumerate(micro):
-                    batch = collate(self._on_policy(rows, step, i), cfg.max_seq_len, self.device, pack=self.pack)
-                    with self.accelerator.autocast():
-                        loss = self.objective.loss(self.draft, self.target, batch) / len(micro)
-                    with record_function("backward"):  # names in benchmarks/profile_train.py --profile
-                        self.accelerator.backward(loss)
-                    step_loss += loss.detach()
-                    tokens += batch.num_targets * self.accelerator.num_processes
+                step_loss, counted = self._compiled_or_not(lambda: self._micro_steps(step), step + 1)
+                tokens += counted
                 with record_function("optimizer"):
                     self.accelerator.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
                     self.optimizer.step()
@@ -532,7 +563,7 @@ class Distiller:
                     pending = None
                 train_seconds += time.time() - step_started
                 if evaluating:
-                    history.append({"step": step, "train_loss": loss_value, **self.evaluate()})
+                    history.append({"step": step, "train_loss": loss_value, **self.evaluate(step)})
                     self._record(history, tokens)
                     reported_at = time.time()
         self.kept_step = best_step(history) if cfg.keep_best else step
@@ -544,6 +575,7 @@ class Distiller:
             "tokens_per_s": (tokens - tokens_at_start) / train_seconds if train_seconds > 0 else 0.0,
             "tokens_this_run": tokens - tokens_at_start,  # not those of a run this one resumed
             "compile_seconds": compile_seconds() - compiled_before,  # within the optimizer steps' time
+            **({} if self.compile_failed_at is None else {"compile_failed_at_step": self.compile_failed_at}),
             **self.objective.kept.summary(),
         }
 

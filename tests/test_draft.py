@@ -337,14 +337,7 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
 
     target_dir, draft_dir = tiny_models["llama"]
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(3)
-    rows = [
-        {
-            "prompt_ids": torch.randint(3, 97, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
-            "response_ids": torch.randint(3, 97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist(),
-        }
-        for _ in range(24)
-    ]
+    rows = random_rows(24, seed=3)
     runs = []
     for compiled in (False, True):
         cfg = tiny_distill_config(loss=DistillLoss.tvd, max_steps=3, eval_every=3, compile=compiled)
@@ -378,6 +371,54 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
     for name, tensor in plain.items():  # the same update, up to rounding (which AdamW amplifies where a gradient is ~0)
         update = (tensor - initial[name]).norm()
         assert update > 0 and (compiled[name] - tensor).norm() < 0.02 * update, name
+
+
+def random_rows(n: int, seed: int) -> list[dict]:
+    """n training rows of random tokens: prompts of 2-8 tokens, responses of 2-11."""
+    g = torch.Generator().manual_seed(seed)
+    length = lambda low, high: int(torch.randint(low, high, (1,), generator=g))
+    return [
+        {
+            "prompt_ids": torch.randint(3, 97, (length(2, 9),), generator=g).tolist(),
+            "response_ids": torch.randint(3, 97, (length(2, 12),), generator=g).tolist(),
+        }
+        for _ in range(n)
+    ]
+
+
+def test_where_torch_compile_fails_training_goes_on_uncompiled(tiny_models, tmp_path, monkeypatch, caplog):
+    """A failure of torch.compile's backend (inductor failed on an H200 at step 20 of a head's run; injected here,
+    as compiling for a CPU does not fail) costs speed, not the run: the step runs again uncompiled, and so does
+    every later one, taking the uncompiled run's steps, with one warning and the step in the trainer's result."""
+    import torch._inductor.compile_fx
+    from transformers import AutoModelForCausalLM
+
+    def failing(*args, **kwargs):
+        raise AssertionError("injected")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", failing)
+    target_dir, draft_dir = tiny_models["llama"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    rows = random_rows(24, seed=3)
+    runs = {}
+    for compiled in (False, True):
+        cfg = tiny_distill_config(loss=DistillLoss.tvd, max_steps=3, eval_every=3, compile=compiled)
+        seen = []
+        student = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+        distiller = Distiller(
+            cfg, student, target, DraftObjective(cfg, online=True), rows, [], tmp_path / str(compiled), seed=0, cpu=True,
+            log=lambda step, m: seen.append(m["train_loss"]) if "lr" in m else None,
+        )  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="draftsmith"):
+            runs[compiled] = distiller.train(), seen
+        warned = [r.getMessage() for r in caplog.records if "torch.compile failed" in r.getMessage()]
+        assert len(warned) == compiled and all("step 1 (AssertionError: injected)" in w for w in warned)
+    (plain, plain_losses), (fell_back, fell_back_losses) = runs[False], runs[True]
+    assert "compile_failed_at_step" not in plain and fell_back["compile_failed_at_step"] == 1
+    assert fell_back["train_tokens"] == plain["train_tokens"]  # the failed attempt's tokens are not counted
+    torch.testing.assert_close(fell_back_losses, plain_losses, rtol=1e-5, atol=1e-7)
+    assert plain_losses[0] != plain_losses[-1]  # it trained
 
 
 def test_held_out_metrics_run_the_target_once_and_equal_the_direct_computation(tiny_models):
@@ -451,14 +492,7 @@ def test_kept_target_states_run_the_target_once_per_row_and_train_as_online(tiny
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     layer_calls = []
     target.model.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
-    g = torch.Generator().manual_seed(5)
-    rows = [
-        {
-            "prompt_ids": torch.randint(3, 97, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
-            "response_ids": torch.randint(3, 97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist(),
-        }
-        for _ in range(12)
-    ]
+    rows = random_rows(12, seed=5)
     base = tiny_distill_config(max_steps=6, batch_size=4, eval_every=6)
     runs = {}
     for gib in (0.0, 1.0):

@@ -254,6 +254,30 @@ def test_kept_target_states_train_the_head_as_the_online_target_does(tiny_models
     assert forwards[1.0] < forwards[0.0]  # the second epoch's batches and the second evaluation run no target
 
 
+def test_a_head_whose_compiling_fails_trains_on_uncompiled(tiny_models, tmp_path, monkeypatch):
+    """Where torch.compile's backend fails (injected: compiling for a CPU does not fail), here in the target's layers
+    at the first held-out evaluation, the head trains on uncompiled, its unroll back to the written-out attention,
+    with the uncompiled run's losses."""
+    from dataclasses import replace
+
+    import torch._inductor.compile_fx
+
+    def failing(*args, **kwargs):
+        raise AssertionError("injected")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", failing)
+    target_dir = tiny_models["smollm2"][0]
+    rows = greedy_rows(target_dir, n=64)
+    results, students = {}, {}
+    for compiled in (False, True):
+        d = distiller(target_dir, rows, tmp_path / str(compiled), replace(distill_config(max_steps=6, eval_every=3), compile=compiled))
+        results[compiled], students[compiled] = d.train(), d.accelerator.unwrap_model(d.draft)
+    assert results[True]["compile_failed_at_step"] == 0 and students[True].compiled is None
+    for key in ("eval_loss", "train_loss"):
+        plain, fell_back = ([h[key] for h in results[c]["history"] if key in h] for c in (False, True))
+        assert fell_back == pytest.approx(plain, rel=1e-5), key
+
+
 def test_the_indexed_loss_is_the_masked_definition(tiny_models):
     """Training gathers each step's entries by indices made on the host (no device sync) and takes the loss chunk
     by chunk: the same loss, gradient and acceptance counts as selecting by boolean masks over the whole
