@@ -329,6 +329,19 @@ def test_packed_rows_train_exactly_as_padded_rows(tiny_models):
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def random_rows(n: int, seed: int) -> list[dict]:
+    """n training rows of random tokens: prompts of 2-8 tokens, responses of 2-11."""
+    g = torch.Generator().manual_seed(seed)
+    length = lambda low, high: int(torch.randint(low, high, (1,), generator=g))
+    return [
+        {
+            "prompt_ids": torch.randint(3, 97, (length(2, 9),), generator=g).tolist(),
+            "response_ids": torch.randint(3, 97, (length(2, 12),), generator=g).tolist(),
+        }
+        for _ in range(n)
+    ]
+
+
 def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
     """distill.compile: the student's and the target's decoder layers and the loss under torch.compile
     (dynamic shapes: packed rows change shape every step) take the same steps as without it, and the
@@ -371,19 +384,6 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
     for name, tensor in plain.items():  # the same update, up to rounding (which AdamW amplifies where a gradient is ~0)
         update = (tensor - initial[name]).norm()
         assert update > 0 and (compiled[name] - tensor).norm() < 0.02 * update, name
-
-
-def random_rows(n: int, seed: int) -> list[dict]:
-    """n training rows of random tokens: prompts of 2-8 tokens, responses of 2-11."""
-    g = torch.Generator().manual_seed(seed)
-    length = lambda low, high: int(torch.randint(low, high, (1,), generator=g))
-    return [
-        {
-            "prompt_ids": torch.randint(3, 97, (length(2, 9),), generator=g).tolist(),
-            "response_ids": torch.randint(3, 97, (length(2, 12),), generator=g).tolist(),
-        }
-        for _ in range(n)
-    ]
 
 
 def test_where_torch_compile_fails_training_goes_on_uncompiled(tiny_models, tmp_path, monkeypatch, caplog):
