@@ -466,9 +466,7 @@ class Distiller:
         try:
             with torch.compiler.set_stance("force_eager") if self.compile_failed_at is not None else contextlib.nullcontext():
                 return run()
-        except torch._dynamo.exc.TorchDynamoException as error:
-            if self.compile_failed_at is not None:
-                raise
+        except torch._dynamo.exc.TorchDynamoException as error:  # not under force_eager: nothing compiles there
             cause = getattr(error, "inner_exception", None) or error  # what the backend raised
             log.warning(
                 "distill: torch.compile failed at step %d (%s: %s); it and the rest train without compiling, slower "
@@ -480,7 +478,8 @@ class Distiller:
             student = self.accelerator.unwrap_model(self.draft)
             if hasattr(student, "compile_training"):  # a model that compiles parts of its own (an EAGLE-3 head's unroll)
                 student.compile_training(False)
-            return self._compiled_or_not(run, step)
+            with torch.compiler.set_stance("force_eager"):
+                return run()
 
     def _micro_steps(self, step: int) -> tuple[torch.Tensor, int]:
         """Step `step`'s micro-batches, forward and backward: (their loss, summed on the device; the tokens they train)."""

@@ -170,6 +170,18 @@ def tiny_models(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def failing_compiler(monkeypatch):
+    """torch.compile's inductor backend raising AssertionError("injected") on every graph (compiling for a CPU does
+    not fail; on an H200 inductor did, mid-run)."""
+    import torch._inductor.compile_fx
+
+    def failing(*args, **kwargs):
+        raise AssertionError("injected")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", failing)
+
+
 @pytest.fixture(scope="session")
 def demo_target_dir():
     """The real demo target, converted once into the user cache (about a minute the first time)."""

@@ -386,17 +386,12 @@ def test_a_compiled_draft_trains_as_the_plain_one(tiny_models, tmp_path):
         assert update > 0 and (compiled[name] - tensor).norm() < 0.02 * update, name
 
 
-def test_where_torch_compile_fails_training_goes_on_uncompiled(tiny_models, tmp_path, monkeypatch, caplog):
+def test_where_torch_compile_fails_training_goes_on_uncompiled(tiny_models, tmp_path, failing_compiler, caplog):
     """A failure of torch.compile's backend (inductor failed on an H200 at step 20 of a head's run; injected here,
     as compiling for a CPU does not fail) costs speed, not the run: the step runs again uncompiled, and so does
     every later one, taking the uncompiled run's steps, with one warning and the step in the trainer's result."""
-    import torch._inductor.compile_fx
     from transformers import AutoModelForCausalLM
 
-    def failing(*args, **kwargs):
-        raise AssertionError("injected")
-
-    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", failing)
     target_dir, draft_dir = tiny_models["llama"]
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     rows = random_rows(24, seed=3)

@@ -254,18 +254,12 @@ def test_kept_target_states_train_the_head_as_the_online_target_does(tiny_models
     assert forwards[1.0] < forwards[0.0]  # the second epoch's batches and the second evaluation run no target
 
 
-def test_a_head_whose_compiling_fails_trains_on_uncompiled(tiny_models, tmp_path, monkeypatch):
+def test_a_head_whose_compiling_fails_trains_on_uncompiled(tiny_models, tmp_path, failing_compiler):
     """Where torch.compile's backend fails (injected: compiling for a CPU does not fail), here in the target's layers
     at the first held-out evaluation, the head trains on uncompiled, its unroll back to the written-out attention,
     with the uncompiled run's losses."""
     from dataclasses import replace
 
-    import torch._inductor.compile_fx
-
-    def failing(*args, **kwargs):
-        raise AssertionError("injected")
-
-    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", failing)
     target_dir = tiny_models["smollm2"][0]
     rows = greedy_rows(target_dir, n=64)
     results, students = {}, {}
