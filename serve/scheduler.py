@@ -141,6 +141,7 @@ class Scheduler:
         self.penalties: Penalties | None = None  # every row's, once a request with penalties has joined
         self._mask: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self.in_flight: tuple[Launched, list[Running | None]] | None = None  # launched, its tokens not yet handed out
+        self.joined: list[Prefilled] = []  # prefilled into rows, their first tokens not yet handed out
 
     # -- the caller's side (any thread) -----------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -210,7 +211,7 @@ class Scheduler:
             self._fail_running(e)
 
     def _fail_running(self, error: Exception) -> None:
-        self.in_flight = None
+        self.in_flight, self.joined = None, []
         for i, r in enumerate(self.rows):
             if r is not None:
                 self.rows[i] = None
@@ -255,6 +256,7 @@ class Scheduler:
         self._admit()
         busy = [i for i, r in enumerate(self.rows) if r is not None]
         launched = self._launch(busy) if busy else None
+        self._emit_first()
         earlier, self.in_flight = self.in_flight, None
         if earlier is not None:
             self._hand_out(*earlier)
@@ -354,8 +356,25 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - the request fails, the batch goes on
                     request.on_done(e)
         for p in prefilled:
-            for request in p.requests:
+            if p.penalties is not None and self.penalties is None:
+                self.penalties = Penalties.none(len(self.rows), self.engine.target.args.vocab_size, self.engine.device)
+            for i, (request, row, stop) in enumerate(zip(p.requests, p.rows, p.stops)):
                 request.logprobs = Logprobs.of(request.params)
+                self.state.set_row(row, p.state, source=i)
+                if self.penalties is not None:  # a row without penalties is cleared of its last request's
+                    self.penalties.set_row(row, p.penalties if request.params.penalised else None, source=i)
+                self.rows[row] = Running(request, stop, Acceptance.prior(self.prior_alpha), p.generators.get(i))
+        self.joined += prefilled
+        if not self.engine.overlap or self._reads_history(self.max_k):
+            self._emit_first()  # prompt lookup drafts from the text so far, the first token included
+
+    def _emit_first(self) -> None:
+        """Hand the requests that joined their first tokens. Reading them waits for their prefill, so with
+        overlap this comes after the next step is launched (their rows in it): the device goes on to that
+        step while the host reads, instead of idling through its launch. A request that its first token
+        ends is finished here; what the step computes for its row is not handed out."""
+        joined, self.joined = self.joined, []
+        for p in joined:
             self.engine.emit_first(
                 p.state,
                 p.last,
@@ -363,14 +382,8 @@ class Scheduler:
                 [r.logprobs for r in p.requests],
                 lambda i, tokens, requests=p.requests: requests[i].on_tokens(tokens),
             )
-            if p.penalties is not None and self.penalties is None:
-                self.penalties = Penalties.none(len(self.rows), self.engine.target.args.vocab_size, self.engine.device)
-            for i, (request, row, stop) in enumerate(zip(p.requests, p.rows, p.stops)):
-                self.state.set_row(row, p.state, source=i)
-                if self.penalties is not None:  # a row without penalties is cleared of its last request's
-                    self.penalties.set_row(row, p.penalties if request.params.penalised else None, source=i)
-                self.rows[row] = Running(request, stop, Acceptance.prior(self.prior_alpha), p.generators.get(i))
-                if stop.finish_reason is not None:
+            for request, row, stop in zip(p.requests, p.rows, p.stops):
+                if stop.finish_reason is not None and self.rows[row] is not None and self.rows[row].request is request:
                     self._finish(row)
 
     def _prefill(self, requests: list[Request], rows: list[int]) -> "Prefilled":

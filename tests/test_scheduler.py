@@ -36,10 +36,20 @@ def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple
     steps (all at once when 0), and step until done; returns the completions in prompt order and the K
     of every speculative (K > 0) step."""
     results: dict[int, object] = {}
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     ks: list[int] = []
     scheduler.on_step = lambda k, accepted: ks.append(k) if k else None
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    requests = [Request(list(p), q, on_done=lambda r, i=i: results.__setitem__(i, r)) for i, (p, q) in enumerate(zip(prompts, per_prompt))]
+
+    def done(i: int, result) -> None:
+        results[i] = result
+        if not isinstance(result, BaseException):  # what on_tokens heard, in order, is the whole answer
+            assert streamed[i] == result.tokens
+
+    requests = [
+        Request(list(p), q, on_tokens=streamed[i].extend, on_done=lambda r, i=i: done(i, r))
+        for i, (p, q) in enumerate(zip(prompts, per_prompt))
+    ]
     pending = list(requests)
     while pending or scheduler.num_running or scheduler.num_waiting or scheduler.in_flight:
         for _ in range(len(pending) if not join_every else 1):
@@ -54,7 +64,9 @@ def collect(scheduler: Scheduler, prompts, params, join_every: int = 0) -> tuple
 def test_requests_joining_a_running_batch_get_the_targets_greedy_output(tiny_models, join_every, overlap):
     target_dir, draft_dir = tiny_models["smollm2"]
     prompts = random_prompts(24, 97, seed=5)
-    lengths = [4 + (i * 7) % 13 for i in range(len(prompts))]  # rows finish at different steps
+    # rows finish at different steps; every fifth request's first token, read after the next step is launched
+    # with its row in it, ends it
+    lengths = [1 if i % 5 == 2 else 4 + (i * 7) % 13 for i in range(len(prompts))]
     alone = engine_of(target_dir, draft_dir, 1)
     expected = [alone.generate([p], SamplingParams(max_new_tokens=n)).completions[0].tokens for p, n in zip(prompts, lengths)]
     scheduler = Scheduler(engine_of(target_dir, draft_dir, 4, overlap=overlap), num_speculative_tokens=3, adaptive=False)
