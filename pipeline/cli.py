@@ -44,6 +44,13 @@ def run(ctx: typer.Context) -> None:
         print_summary(hydra_app.console)
 
 
+def print_table(table) -> None:
+    """A rich table on stdout; a log or a pipe gets whole cells (rich cuts them at 80 columns without a terminal)."""
+    from rich.console import Console
+
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
 def quiet_libraries() -> None:
     """Our own progress bars and log lines only: the libraries' bars (transformers' weight loading, datasets'
     saving, llm-compressor's AWQ grid search: hundreds of lines in a log) and llm-compressor's log lines, which
@@ -104,7 +111,7 @@ def bench_decode(
         "--stop-at-eos",
         help="end each answer at EOS, as served (else exactly --new-tokens: text past an answer's end is easier to draft)",
     ),
-    prompts: int = typer.Option(8, help="held-out prompts, run one after another at batch 1"),
+    prompts: int = typer.Option(8, help="the first N held-out prompts, run one after another at batch 1 (the split's size: all)"),
     data: str = typer.Option(
         "demo", help="a .jsonl of prompts whose held-out split to take, as the data stage splits it; 'demo': the demo's"
     ),
@@ -126,7 +133,6 @@ def bench_decode(
     import tempfile
 
     import torch
-    from rich.console import Console
 
     from draftsmith.distill.data import heldout_messages
     from draftsmith.distill.draft import build_from_target, every_nth_layer
@@ -141,7 +147,8 @@ def bench_decode(
         if not draft:
             layers = every_nth_layer(read_config(target_dir)["num_hidden_layers"], draft_layers)
             draft = [build_from_target(target_dir, Path(tmp) / "draft", layers)]
-        ids = chat_prompts(target_dir, heldout_messages(data, fraction=eval_fraction)[:prompts])
+        heldout = heldout_messages(data, fraction=eval_fraction)
+        ids = chat_prompts(target_dir, heldout[:prompts])
         if not ids:
             raise typer.BadParameter(f"{data} has no prompts in its held-out split at --eval-fraction {eval_fraction}")
         command, about = " ".join(sys.argv), {"target": target, "drafts": [str(d) for d in draft]}
@@ -163,9 +170,11 @@ def bench_decode(
             on_row=lambda rows: write_results(rows, out, command, device, about) if out else None,
         )
     length = f"up to {new_tokens} new tokens (to EOS)" if stop_at_eos else f"{new_tokens} new tokens"
-    title = f"bench decode: {target} on {device}, {len(ids)} held-out prompts x {length}, greedy, median of {repeats} runs"
+    title = (
+        f"bench decode: {target} on {device}, {len(ids)} of {len(heldout)} held-out prompts x {length}, greedy, median of {repeats} runs"
+    )
     table = results_table(rows, title)
-    Console().print(table)
+    print_table(table)
 
 
 @bench.command("serve")
@@ -190,7 +199,6 @@ def bench_serve_command(
     """Load a server with streaming chat clients: throughput and TTFT / TPOT p50 and p99 per concurrency."""
     import json
 
-    from rich.console import Console
     from rich.table import Table
 
     from draftsmith.distill.data import heldout_messages, read_records, to_messages
@@ -216,7 +224,7 @@ def bench_serve_command(
             table.add_column(column, justify="right")
         for row in rows:
             table.add_row(*(str(row[c]) for c in columns))
-        Console().print(table)
+        print_table(table)
 
     print_rows(f"bench serve: {url}, {max_tokens} max tokens, greedy, {duration:g} s per level", rows, columns)
     summary = bench.median_rows(rows) if compare_engine else None
@@ -258,7 +266,6 @@ def bench_shapes(
     import json
 
     import torch
-    from rich.console import Console
 
     from draftsmith.evaluate.bench_shapes import (
         SHAPES,
@@ -290,7 +297,7 @@ def bench_shapes(
         f"bench shapes on {device}, {dtype}, random weights, {prompt_tokens}-token prompts, {new_tokens} new tokens, median of {repeats}"
     )
     table = results_table(rows, floors, title)
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    print_table(table)
     if out:
         out.write_text(
             json.dumps(
@@ -442,7 +449,6 @@ def _registry(ctx: typer.Context, uri: str | None, name: str | None) -> tuple[st
 @registry_app.command("list", **OVERRIDES)
 def registry_list(ctx: typer.Context, name: str = typer.Option(None, help=NAME_HELP), uri: str = typer.Option(None, help=URI_HELP)) -> None:
     """Every version with its kind, measured speedup, tau, alpha, K, quantization and why it was (not) promoted."""
-    from rich.console import Console
     from rich.table import Table
 
     from draftsmith.pipeline.registry import list_versions
@@ -455,7 +461,7 @@ def registry_list(ctx: typer.Context, name: str = typer.Option(None, help=NAME_H
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*(row[c] for c in columns))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    print_table(table)
 
 
 @registry_app.command("promote", **OVERRIDES)
