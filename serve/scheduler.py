@@ -3,8 +3,8 @@
 Each step runs the occupied rows (the prefix up to the highest busy row, rounded up to a power of two
 so that CUDA graphs are captured for a few shapes only), speculative or plain. With adaptive K the
 step's K is the one with the most expected tokens per second, from each running request's own
-acceptance (Acceptance: its estimate of alpha from what the target kept of its drafts) and the step costs at that
-batch size (StepCostTable: timed at warm-up, then by the steps the run takes); K = 0 (plain decoding) when no K beats it, with a probe every
+acceptance (Acceptance: its estimate of alpha from what the target kept of its drafts) and the step costs measured
+at warm-up for that batch size; K = 0 (plain decoding) when no K beats it, with a probe every
 `PROBE_EVERY` plain steps so that a request's acceptance can recover. Every step is the engine's own
 speculative or plain step, so output stays exactly the target's.
 """
