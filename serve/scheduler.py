@@ -38,7 +38,6 @@ def _memory(device: torch.device) -> str:
 
 PROBE_EVERY = 16  # plain steps between speculative probes when adaptive K has turned speculation off
 SMOOTHING = 0.2  # how much of a request's acceptance record each step forgets
-COST_SMOOTHING = 0.1  # how far a step the run takes moves its K's cost
 PRIOR_WEIGHT = 2.0  # drafts' worth of evidence that the prior alpha counts for
 IDLE = SamplingParams()  # what an empty row of the batch "samples" with (greedy; its output is dropped)
 
@@ -102,30 +101,14 @@ class Prefilled:
 
 @dataclass
 class StepCostTable:
-    """Milliseconds per whole step on this device, by (batch size, K); K = 0 is a plain step. Warm-up times
-    greedy steps on rows that hold no text; the steps a run takes replace those times (`observe`)."""
+    """Milliseconds per whole greedy step on this device, by (batch size, K); K = 0 is a plain step."""
 
     step_ms: dict[tuple[int, int], float]
-    follows_run: bool = True  # False: the times are a cost model to keep as given (tests of the choice alone)
-    observed: set[tuple[int, int]] = field(default_factory=set)
 
     def best_k(self, batch: int, alphas: list[float], max_k: int) -> int:
         """The K (0..max_k) with the most expected tokens per millisecond for these rows."""
         rate = lambda k: sum(expected_tokens(a, k) for a in alphas) / self.step_ms[(batch, k)]
         return max(range(max_k + 1), key=rate)  # ties go to the smaller K
-
-    def observe(self, batch: int, k: int, ms: float) -> None:
-        """A step the run took at `batch` rows and K. A run's rows hold prompts and answers, which the
-        verification's attention reads: at batch 16 on an H100 a step at K = 7 cost 1.98x a plain one in a run
-        against the 1.53x timed at warm-up, and adaptive K chose too large a K. The first step of a K takes
-        its place; later ones move it by COST_SMOOTHING. A step that took over twice the time held (a graph
-        captured or code compiled on first use) counts as twice."""
-        if not self.follows_run:
-            return
-        held = self.step_ms.get((batch, k), ms)
-        ms = min(ms, 2 * held)
-        self.step_ms[(batch, k)] = ms if (batch, k) not in self.observed else held + COST_SMOOTHING * (ms - held)
-        self.observed.add((batch, k))
 
 
 class Scheduler:
@@ -315,8 +298,6 @@ class Scheduler:
         logprobs = [r.request.logprobs if r is not None else None for r in live]
         accepted = self.engine.emit(launched, active_rows, stops, logprobs, SpecStats(), deliver)
         k = launched.k
-        if self.costs is not None:
-            self.costs.observe(len(running), k, launched.ms)
         if k > 0:
             self.plain_steps = 0
             for r, a in zip(live, accepted):

@@ -96,9 +96,6 @@ def test_scheduler_with_step_graphs_equals_eager(tiny_models, kind, head_dir):
         scheduler.submit(Request(prompt, params, on_done=lambda r, i=i: done.__setitem__(i, r.tokens)))
     scheduler.drain()
     assert [done[i] for i in range(len(prompts))] == expected
-    # adaptive K kept the device's own times of the steps it took (CUDA events around each)
-    observed = scheduler.costs.observed
-    assert observed and all(0 < scheduler.costs.step_ms[key] < 1000 for key in observed)
 
 
 def test_compiled_step_graphs_speculative_equals_plain(tiny_models, kind, head_dir):
