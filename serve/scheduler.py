@@ -382,8 +382,8 @@ class Scheduler:
                 [r.logprobs for r in p.requests],
                 lambda i, tokens, requests=p.requests: requests[i].on_tokens(tokens),
             )
-            for request, row, stop in zip(p.requests, p.rows, p.stops):
-                if stop.finish_reason is not None and self.rows[row] is not None and self.rows[row].request is request:
+            for row, stop in zip(p.rows, p.stops):
+                if stop.finish_reason is not None:  # the row is still its own: only a launch came since _admit
                     self._finish(row)
 
     def _prefill(self, requests: list[Request], rows: list[int]) -> "Prefilled":
