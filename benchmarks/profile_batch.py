@@ -74,7 +74,6 @@ def main() -> None:
     draft = load_draft(args.draft, torch.bfloat16, "cuda")
     max_seq_len = max(map(len, prompts)) + args.new_tokens + args.k + 8
     lines = []
-    by_k = lambda table: {k: round(ms, 3) for (_, k), ms in sorted(table.items())}
     for label, d, k, adaptive in (
         ("plain", None, 0, False),
         (f"K={min(3, args.k)}", draft, min(3, args.k), False),
@@ -83,7 +82,7 @@ def main() -> None:
         engine = Engine(target, d, max_batch_size=args.batch, max_seq_len=max_seq_len)
         scheduler = Scheduler(engine, k, adaptive=adaptive)
         scheduler.warm_up(full=False, batch_sizes=[args.batch])
-        costs = by_k(scheduler.costs.step_ms)
+        costs = {kk: round(ms, 3) for (b, kk), ms in scheduler.costs.step_ms.items()}
         run(scheduler, prompts, 4 * args.batch, args.new_tokens)  # warm-up: prefill shapes
         spent = timed_phases(scheduler)
         seconds, ks, tokens = run(scheduler, prompts, 4 * args.batch, args.new_tokens)
@@ -91,8 +90,7 @@ def main() -> None:
         lines.append(
             f"{label:<16} {tokens / seconds:>9.1f} tok/s  {steps:>5} steps  {1000 * seconds / steps:6.3f} ms/step  "
             f"launch {1000 * spent['_launch'] / steps:.3f}  hand-out {1000 * spent['_hand_out'] / steps:.3f}  "
-            f"admit {1000 * spent['_admit']:.1f} ms total ({spent['_prefill calls']} prefills)  K {dict(sorted(ks.items()))}  graph ms by K {costs}  "
-            f"run ms by K {by_k(scheduler.costs.run_ms)}"
+            f"admit {1000 * spent['_admit']:.1f} ms total ({spent['_prefill calls']} prefills)  K {dict(sorted(ks.items()))}  graph ms by K {costs}"
         )
         if adaptive:
             profiler = cProfile.Profile()

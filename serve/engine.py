@@ -123,13 +123,6 @@ class Launched:
     k: int
     host: Tensor  # [B, K+2]: each row's accepted draft count, then its K+1 tokens
     ready: "torch.cuda.Event | None" = None
-    started: "torch.cuda.Event | None" = None  # recorded before the step's work, on a GPU
-    seconds: float = 0.0  # elsewhere the step runs at launch: how long it took
-
-    @property
-    def ms(self) -> float:
-        """The step's milliseconds: on a GPU from the device's turn to it to its tokens' copy (after `read`)."""
-        return self.started.elapsed_time(self.ready) if self.started is not None else self.seconds * 1000
 
     def read(self) -> tuple[list[int], list[list[int]]]:
         """Each row's accepted draft count and tokens (waits for this step only)."""
@@ -233,7 +226,7 @@ class Engine:
         # launch each step before reading the last one's tokens (Launched): on a GPU the host's work then
         # runs while the device computes; on a CPU, where a launch is the computation, it only adds a step
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
-        self._host_buffers: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event, torch.cuda.Event]] = {}
+        self._host_buffers: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event]] = {}
         self._launches = 0
         self.caches = []  # each model's cache of this engine's: another engine over the same models makes its own
         for model in (target, draft):
@@ -413,26 +406,21 @@ class Engine:
         proposer: Proposer | None,
         histories: Sequence[Sequence[int]] = (),
     ) -> Launched:
-        """`step`, with its accepted counts and tokens copied to host memory as the device finishes it, and
-        its time (`Launched.ms`)."""
-        both = lambda out: torch.cat([out.num_accepted.unsqueeze(1).to(out.tokens.dtype), out.tokens], dim=1)
+        """`step`, with its accepted counts and tokens copied to host memory as the device finishes it."""
+        out = self.step(state, active, k, rows, generator, proposer, histories)
+        both = torch.cat([out.num_accepted.unsqueeze(1).to(out.tokens.dtype), out.tokens], dim=1)
         if self.device.type != "cuda":
-            started = time.perf_counter()
-            out = self.step(state, active, k, rows, generator, proposer, histories)
-            return Launched(out, k, both(out), seconds=time.perf_counter() - started)
+            return Launched(out, k, both)
         # two pinned buffers per shape, taken in turn: at most two steps are out at once, and buffers made
         # per step would be freed (an event recorded) at garbage-collection times, a graph capture among them
         self._launches += 1
-        key = (len(active), k + 2, self._launches % 2)
+        key = (*both.shape, self._launches % 2)
         if key not in self._host_buffers:
-            timing = lambda: torch.cuda.Event(enable_timing=True)
-            self._host_buffers[key] = torch.empty(key[:2], dtype=torch.long, pin_memory=True), timing(), timing()
-        host, started, ready = self._host_buffers[key]
-        started.record()
-        out = self.step(state, active, k, rows, generator, proposer, histories)
-        host.copy_(both(out), non_blocking=True)
+            self._host_buffers[key] = torch.empty(both.shape, dtype=both.dtype, pin_memory=True), torch.cuda.Event()
+        host, ready = self._host_buffers[key]
+        host.copy_(both, non_blocking=True)
         ready.record()
-        return Launched(out, k, host, ready, started)
+        return Launched(out, k, host, ready)
 
     @torch.inference_mode()
     def time_steps(self, batch: int, ks: Sequence[int], rounds: int = 5, proposer: Proposer | None = None) -> dict[int, float]:

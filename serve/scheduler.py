@@ -3,9 +3,8 @@
 Each step runs the occupied rows (the prefix up to the highest busy row, rounded up to a power of two
 so that CUDA graphs are captured for a few shapes only), speculative or plain. With adaptive K the
 step's K is the one with the most expected tokens per second, from each running request's own
-acceptance (Acceptance: its estimate of alpha from what the target kept of its drafts) and the step costs at
-that batch size (StepCostTable: timed at warm-up, then by the steps the run takes); K = 0 (plain decoding)
-when no K beats it, with a probe every
+acceptance (Acceptance: its estimate of alpha from what the target kept of its drafts) and the step costs measured
+at warm-up for that batch size; K = 0 (plain decoding) when no K beats it, with a probe every
 `PROBE_EVERY` plain steps so that a request's acceptance can recover. Every step is the engine's own
 speculative or plain step, so output stays exactly the target's.
 """
@@ -39,7 +38,6 @@ def _memory(device: torch.device) -> str:
 
 PROBE_EVERY = 16  # plain steps between speculative probes when adaptive K has turned speculation off
 SMOOTHING = 0.2  # how much of a request's acceptance record each step forgets
-COST_SMOOTHING = 0.1  # how far a step the run takes moves its K's cost
 PRIOR_WEIGHT = 2.0  # drafts' worth of evidence that the prior alpha counts for
 IDLE = SamplingParams()  # what an empty row of the batch "samples" with (greedy; its output is dropped)
 
@@ -103,37 +101,14 @@ class Prefilled:
 
 @dataclass
 class StepCostTable:
-    """Milliseconds per whole step on this device, by (batch size, K); K = 0 is a plain step.
-
-    step_ms: the warm-up's times of greedy steps on rows that hold no text. A run's rows hold prompts and
-    answers, which the verification's attention reads: at batch 16 on an H100 a step at K = 7 cost 1.98x a
-    plain one in a run against the 1.53x timed at warm-up, and adaptive K chose too large a K. So the steps a
-    run takes are kept too (run_ms, `observe`) and choose K, except for rows that gave a seed: their random
-    draws follow the Ks stepped at, and a seed must repeat its text, so K is chosen from step_ms alone
-    while one of them runs."""
+    """Milliseconds per whole greedy step on this device, by (batch size, K); K = 0 is a plain step."""
 
     step_ms: dict[tuple[int, int], float]
-    follows_run: bool = True  # False: the times are a cost model to keep as given (tests of the choice alone)
-    run_ms: dict[tuple[int, int], float] = field(default_factory=dict)
 
-    def ms(self, batch: int, k: int, seeded: bool = False) -> float:
-        """A step's cost: the run's own where it stepped there (and no row gave a seed), else the warm-up's."""
-        return self.step_ms[(batch, k)] if seeded else self.run_ms.get((batch, k), self.step_ms[(batch, k)])
-
-    def best_k(self, batch: int, alphas: list[float], max_k: int, seeded: bool = False) -> int:
+    def best_k(self, batch: int, alphas: list[float], max_k: int) -> int:
         """The K (0..max_k) with the most expected tokens per millisecond for these rows."""
-        rate = lambda k: sum(expected_tokens(a, k) for a in alphas) / self.ms(batch, k, seeded)
+        rate = lambda k: sum(expected_tokens(a, k) for a in alphas) / self.step_ms[(batch, k)]
         return max(range(max_k + 1), key=rate)  # ties go to the smaller K
-
-    def observe(self, batch: int, k: int, ms: float) -> None:
-        """A step the run took at `batch` rows and K: the first of a K takes the warm-up's place, later ones
-        move it by COST_SMOOTHING. A step over twice the time held (a graph captured or code compiled on
-        first use) counts as twice."""
-        if not self.follows_run:
-            return
-        held = self.ms(batch, k)
-        ms = min(ms, 2 * held)
-        self.run_ms[(batch, k)] = held + COST_SMOOTHING * (ms - held) if (batch, k) in self.run_ms else ms
 
 
 class Scheduler:
@@ -298,8 +273,7 @@ class Scheduler:
     def _launch(self, busy: list[int]) -> tuple[Launched, list[Running | None]]:
         n = bucket(busy[-1] + 1, self.engine.max_batch_size)
         running = self.rows[:n]
-        live = [r for r in running if r is not None]
-        k = self._choose_k(n, [r.acceptance.alpha for r in live], seeded=any(r.generator is not None for r in live))
+        k = self._choose_k(n, [r.acceptance.alpha for r in running if r is not None])
         active = self._active(tuple(r is not None for r in running))
         state = self.state.rows(n)  # views: they advance in place
         histories = [r.request.prompt + r.stop.tokens if r is not None else [0] for r in running] if self._reads_history(k) else []
@@ -324,8 +298,6 @@ class Scheduler:
         logprobs = [r.request.logprobs if r is not None else None for r in live]
         accepted = self.engine.emit(launched, active_rows, stops, logprobs, SpecStats(), deliver)
         k = launched.k
-        if self.costs is not None:
-            self.costs.observe(len(running), k, launched.ms)
         if k > 0:
             self.plain_steps = 0
             for r, a in zip(live, accepted):
@@ -339,12 +311,12 @@ class Scheduler:
             if r is not None and r.stop.finish_reason is not None and self.rows[i] is r:
                 self._finish(i)
 
-    def _choose_k(self, n: int, alphas: list[float], seeded: bool) -> int:
+    def _choose_k(self, n: int, alphas: list[float]) -> int:
         if self.max_k == 0 or not self.adaptive or self.costs is None:
             return self.max_k
         if (n, 0) not in self.costs.step_ms:
             self._time_steps(n)
-        k = self.costs.best_k(n, alphas, self.max_k, seeded)
+        k = self.costs.best_k(n, alphas, self.max_k)
         if k == 0 and self.plain_steps + 1 >= PROBE_EVERY:
             return 1  # a probe: one draft token, to refresh the acceptance averages
         return k

@@ -96,8 +96,6 @@ def test_scheduler_with_step_graphs_equals_eager(tiny_models, kind, head_dir):
         scheduler.submit(Request(prompt, params, on_done=lambda r, i=i: done.__setitem__(i, r.tokens)))
     scheduler.drain()
     assert [done[i] for i in range(len(prompts))] == expected
-    # adaptive K kept the device's own times of the steps it took (CUDA events around each)
-    assert scheduler.costs.run_ms and all(0 < ms < 1000 for ms in scheduler.costs.run_ms.values())
 
 
 def test_compiled_step_graphs_speculative_equals_plain(tiny_models, kind, head_dir):

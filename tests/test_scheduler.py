@@ -12,7 +12,7 @@ import torch
 from draftsmith.serve.engine import Engine, EngineError, load_draft
 from draftsmith.serve.engine_process import STOP, EngineLoop
 from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.scheduler import COST_SMOOTHING, Acceptance, Request, Scheduler, StepCostTable, bucket
+from draftsmith.serve.scheduler import Acceptance, Request, Scheduler, StepCostTable, bucket
 from draftsmith.serve.weights import load_model
 from tests.conftest import FAMILIES, save_tiny_head, save_tiny_model
 from tests.test_sampling import PROMPT, VOCAB, chi_square_p, exact_joint, small_vocab_models  # noqa: F401
@@ -97,7 +97,7 @@ def test_adaptive_k_speculates_with_a_good_draft_and_stops_with_a_useless_one(ti
     prompts = random_prompts(8, 97, seed=2)
     params = SamplingParams(max_new_tokens=24)
     # a step of K drafts: K draft forwards of 1 ms and a target forward over K+1 tokens of 11 + K ms
-    costs = StepCostTable({(b, k): 11.0 + 2 * k for b in (1, 2, 4) for k in range(5)}, follows_run=False)
+    costs = StepCostTable({(b, k): 11.0 + 2 * k for b in (1, 2, 4) for k in range(5)})
     expected = [c.tokens for c in engine_of(target_dir, target_dir, 4).generate(prompts[:4], params).completions]
 
     same = Scheduler(engine_of(target_dir, target_dir, 4), num_speculative_tokens=4)  # the target as its own draft
@@ -134,47 +134,6 @@ def test_best_k_follows_the_cost_model():
     expensive = StepCostTable({(1, k): k * 12.0 + target_ms(k) for k in range(9)})
     assert expensive.best_k(1, [0.6], 8) == 0  # a draft step as dear as the target's never pays
     assert [bucket(n, 12) for n in (1, 2, 3, 5, 9, 12)] == [1, 2, 4, 8, 12, 12]
-
-
-def test_the_steps_a_run_takes_replace_the_warm_ups_costs():
-    costs = StepCostTable({(16, k): 1.0 + 0.1 * k for k in range(8)})  # warm-up: K = 7 at 1.7x a plain step
-    alphas = [0.85] * 16
-    assert costs.best_k(16, alphas, 7) == 7
-    for k in range(8):  # the run's steps: K = 7 at 2.12x, as attention over the rows' text makes it
-        costs.observe(16, k, 1.0 + 0.16 * k)
-    assert costs.run_ms[(16, 7)] == pytest.approx(2.12)  # a K's first step takes the warm-up's place
-    assert costs.best_k(16, alphas, 7) == 6
-    assert costs.best_k(16, alphas, 7, seeded=True) == 7  # rows that gave a seed keep the warm-up's costs
-    costs.observe(16, 0, 1000.0)  # a step that captured a graph: counts as twice the cost held
-    assert costs.run_ms[(16, 0)] == pytest.approx(1.0 + COST_SMOOTHING * (2.0 - 1.0))
-    assert costs.step_ms == {(16, k): 1.0 + 0.1 * k for k in range(8)}
-
-
-def test_adaptive_k_keeps_the_times_of_the_steps_it_takes(tiny_models):
-    target_dir, draft_dir = tiny_models["smollm2"]
-    scheduler = Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=3)
-    scheduler.warm_up(full=False)
-    warm = dict(scheduler.costs.step_ms)
-    completions, ks = collect(scheduler, random_prompts(6, 97, seed=3), SamplingParams(max_new_tokens=12))
-    assert len(completions) == 6 and ks
-    run = scheduler.costs.run_ms
-    assert set(ks) <= {k for _, k in run}  # every K the run stepped at was timed there
-    assert all(0 < ms != warm[key] for key, ms in run.items()) and scheduler.costs.step_ms == warm
-
-
-def test_a_seed_repeats_its_text_whatever_the_run_has_timed(tiny_models):
-    """A seeded request's random draws follow the Ks its steps took: with adaptive K those are chosen from the
-    warm-up's costs while it runs, not from the run's own, which change with every step."""
-    target_dir, draft_dir = tiny_models["smollm2"]
-    scheduler = Scheduler(engine_of(target_dir, draft_dir, 4), num_speculative_tokens=3, prior_alpha=0.9)
-    scheduler.costs = StepCostTable({(1, k): 1.0 + 0.1 * k for k in range(4)})
-    seeded = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5, ignore_eos=True)
-    prompt = random_prompts(1, 97, seed=4)
-    first, first_ks = collect(scheduler, prompt, seeded)
-    scheduler.costs.run_ms = {(1, k): 1.0 + 5.0 * k for k in range(4)}  # as if the run had timed drafting dear
-    assert scheduler.costs.best_k(1, [0.9], 3) == 0 != scheduler.costs.best_k(1, [0.9], 3, seeded=True)
-    again, again_ks = collect(scheduler, prompt, seeded)
-    assert again[0].tokens == first[0].tokens and again_ks == first_ks
 
 
 def test_a_requests_acceptance_estimates_alpha_not_the_fraction_of_drafts_kept():
@@ -355,7 +314,7 @@ def test_a_draft_model_keeps_up_through_plain_steps(tiny_models):
     script = [0] * 6 + [3, 3, 0, 2, 0, 0, 0, 3, 1, 0, 3] * 4
 
     class Scripted(Scheduler):  # the K of each step, as adaptive K might choose them
-        def _choose_k(self, n, alphas, seeded):
+        def _choose_k(self, n, alphas):
             return script.pop(0) if script else 2
 
     scheduler = Scripted(engine_of(target_dir, target_dir, 4), num_speculative_tokens=3, adaptive=True)
