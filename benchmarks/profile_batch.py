@@ -1,7 +1,9 @@
 """Where continuous batching's time goes on a GPU: whole-step graph costs at the batch size by K, then
 `4 x batch` greedy requests (the held-out demo prompts, cycled) through the scheduler, plain, at fixed
 K and with adaptive K, with the host time spent launching steps, handing out tokens (waiting for the
-device included) and admitting requests, the K chosen, and a cProfile of the adaptive run's host side.
+device included) and admitting requests, the K chosen, the device's own time in steps (by K) and in
+prefills (CUDA events around each) and the rest of the run's wall time, in which the device waited for
+the host, and a cProfile of the adaptive run's host side.
 
     python3 benchmarks/profile_batch.py --draft BUNDLE/draft [--cache-dir DIR] [--batch 16] [--k 5]
 """
@@ -47,6 +49,30 @@ def timed_phases(scheduler: Scheduler) -> dict[str, float]:
     return spent
 
 
+def device_spans(engine: Engine) -> dict[str, list]:
+    """Wrap the engine's step launch and prefill to record CUDA events around the work each enqueues: pairs
+    of events by "K=<k>" and "prefill" (read them after the device is done: `ms`)."""
+    spans: dict[str, list] = {}
+    for name, key in (("launch", lambda args: f"K={args[2]}"), ("prefill", lambda args: "prefill")):
+        inner = getattr(engine, name)
+
+        def wrapped(*args, inner=inner, key=key, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = inner(*args, **kwargs)
+            end.record()
+            spans.setdefault(key(args), []).append((start, end))
+            return out
+
+        setattr(engine, name, wrapped)
+    return spans
+
+
+def ms(spans: dict[str, list]) -> dict[str, tuple[int, float]]:
+    """Each key's count and milliseconds in all (after torch.cuda.synchronize)."""
+    return {key: (len(pairs), sum(a.elapsed_time(b) for a, b in pairs)) for key, pairs in sorted(spans.items())}
+
+
 def run(scheduler: Scheduler, prompts: list[list[int]], requests: int, new_tokens: int) -> tuple[float, Counter, int]:
     ks = Counter()
     scheduler.on_step = lambda k, accepted: ks.update([k])
@@ -81,12 +107,20 @@ def main() -> None:
     ):
         engine = Engine(target, d, max_batch_size=args.batch, max_seq_len=max_seq_len)
         scheduler = Scheduler(engine, k, adaptive=adaptive)
-        scheduler.warm_up(full=False, batch_sizes=[args.batch])
-        costs = {kk: round(ms, 3) for (b, kk), ms in scheduler.costs.step_ms.items()}
+        scheduler.warm_up(full=False)  # every batch size a run's end meets, so that none is timed in the run
+        costs = {kk: round(t, 3) for (b, kk), t in scheduler.costs.step_ms.items() if b == args.batch}
         run(scheduler, prompts, 4 * args.batch, args.new_tokens)  # warm-up: prefill shapes
         spent = timed_phases(scheduler)
+        spans = device_spans(engine)
         seconds, ks, tokens = run(scheduler, prompts, 4 * args.batch, args.new_tokens)
         steps = sum(ks.values())
+        device = ms(spans)
+        busy = sum(total for _, total in device.values())
+        by_key = "  ".join(f"{key} {n} x {total / n:.3f}" for key, (n, total) in device.items())
+        lines.append(
+            f"{label:<16} device ms: {by_key}; busy {busy:.1f} of {1000 * seconds:.1f} wall, "
+            f"waiting for the host {1000 * seconds - busy:.1f}"
+        )
         lines.append(
             f"{label:<16} {tokens / seconds:>9.1f} tok/s  {steps:>5} steps  {1000 * seconds / steps:6.3f} ms/step  "
             f"launch {1000 * spent['_launch'] / steps:.3f}  hand-out {1000 * spent['_hand_out'] / steps:.3f}  "
