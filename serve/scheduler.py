@@ -112,8 +112,6 @@ class StepCostTable:
 
 
 class Scheduler:
-    admit_after_launch = True  # with overlap, while rows run (`step`); False: before it, to measure the two side by side
-
     def __init__(
         self,
         engine: Engine,
@@ -250,25 +248,15 @@ class Scheduler:
     def step(self) -> None:
         """Launch a step over the running rows, then hand out the tokens of the step launched before it,
         which the device has finished or is finishing meanwhile (a step whose rows want logprobs is
-        handed out at once: the next launch rewrites its logits).
-
-        With overlap, waiting requests are admitted after the launch while rows are running: an admission's
-        host work (~3.4 ms a prefill at batch 16 on an H100, against a 1.9 ms step) then runs while the device
-        has that step and the one in flight to do, where before the launch it ran while the device finished
-        the step in flight and then idled. Their rows join at the next launch, a step later."""
+        handed out at once: the next launch rewrites its logits)."""
         self._retire_cancelled()
         if self.in_flight is not None and self._reads_history(self.max_k):  # a plain step's tokens, before a lookup
             self._hand_out(*self.in_flight)
             self.in_flight = None
-        admit_first = not (self.engine.overlap and self.admit_after_launch) or self._reads_history(self.max_k) or self.num_running == 0
-        if admit_first:
-            self._admit()
+        self._admit()
         busy = [i for i, r in enumerate(self.rows) if r is not None]
         launched = self._launch(busy) if busy else None
-        joined, self.joined = self.joined, []  # prefilled before this launch: their rows are in it
-        if not admit_first:
-            self._admit()
-        self._emit_first(joined)
+        self._emit_first()
         earlier, self.in_flight = self.in_flight, None
         if earlier is not None:
             self._hand_out(*earlier)
@@ -376,16 +364,16 @@ class Scheduler:
                 if self.penalties is not None:  # a row without penalties is cleared of its last request's
                     self.penalties.set_row(row, p.penalties if request.params.penalised else None, source=i)
                 self.rows[row] = Running(request, stop, Acceptance.prior(self.prior_alpha), p.generators.get(i))
+        self.joined += prefilled
         if not self.engine.overlap or self._reads_history(self.max_k):
-            self._emit_first(prefilled)  # prompt lookup drafts from the text so far, the first token included
-        else:
-            self.joined += prefilled
+            self._emit_first()  # prompt lookup drafts from the text so far, the first token included
 
-    def _emit_first(self, joined: list[Prefilled]) -> None:
+    def _emit_first(self) -> None:
         """Hand the requests that joined their first tokens. Reading them waits for their prefill, so with
         overlap this comes after the next step is launched (their rows in it): the device goes on to that
         step while the host reads, instead of idling through its launch. A request that its first token
         ends is finished here; what the step computes for its row is not handed out."""
+        joined, self.joined = self.joined, []
         for p in joined:
             self.engine.emit_first(
                 p.state,
@@ -395,7 +383,7 @@ class Scheduler:
                 lambda i, tokens, requests=p.requests: requests[i].on_tokens(tokens),
             )
             for row, stop in zip(p.rows, p.stops):
-                if stop.finish_reason is not None:  # the row is still its own: no step it ran in was handed out
+                if stop.finish_reason is not None:  # the row is still its own: only a launch came since _admit
                     self._finish(row)
 
     def _prefill(self, requests: list[Request], rows: list[int]) -> "Prefilled":

@@ -74,28 +74,6 @@ def test_requests_joining_a_running_batch_get_the_targets_greedy_output(tiny_mod
     assert [c.tokens for c in completions] == expected
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_with_overlap_a_request_joining_running_rows_is_prefilled_after_the_launch(tiny_models, overlap):
-    """With overlap an admission's host work runs while the device has the launched step to do, and the row
-    joins at the next launch; without it, or with no row running, the request is prefilled before the launch."""
-    target_dir, draft_dir = tiny_models["smollm2"]
-    engine = engine_of(target_dir, draft_dir, 4, overlap=overlap)
-    calls = []
-    for name in ("prefill", "launch"):
-        inner = getattr(engine, name)
-        setattr(engine, name, lambda *a, inner=inner, name=name, **kw: calls.append(name) or inner(*a, **kw))
-    scheduler = Scheduler(engine, num_speculative_tokens=2, adaptive=False)
-    first, second = random_prompts(2, 97, seed=6)
-    scheduler.submit(Request(first, SamplingParams(max_new_tokens=8)))
-    scheduler.step()
-    assert calls == ["prefill", "launch"]
-    scheduler.submit(Request(second, SamplingParams(max_new_tokens=8)))
-    calls.clear()
-    scheduler.step()
-    assert calls == (["launch", "prefill"] if overlap else ["prefill", "launch"])
-    scheduler.drain()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_joining_a_running_batch_gets_batch_ones_greedy_output(tiny_models, family, tmp_path):
     """A draft model and an EAGLE-3 head per family, requests joining and leaving a batch of 4 under adaptive K:
