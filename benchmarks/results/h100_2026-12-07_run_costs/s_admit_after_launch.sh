@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Next run (apply .gpu/q/admit_after_launch.patch first; written 2026-12-07): admissions after the launch (Scheduler.admit_after_launch) against before it, side by side:
+# 2026-12-07 tenth run (as run, on commit afa152e): admissions after the launch (Scheduler.admit_after_launch) against before it, side by side:
 # profile_batch (device spans of steps and prefills, one timed run each) then bench decode at batch 16 on 8 prompts,
-# medians of 3. The head: the eighth run's, carried as .gpu/head.tgz by a third call. On a fresh H100 the first
-# profile_batch (GGUF conversion, every batch size warmed up three times) took over 150 s.
+# medians of 3. The head: the eighth run's, carried as .gpu/head.tgz by a third call.
 set -uo pipefail
 root=${ROOT:-/root/draftsmith-gpu}
 o=${OUT:-/tmp/out}
@@ -19,7 +18,7 @@ before="from draftsmith.serve.scheduler import Scheduler; Scheduler.admit_after_
 for v in after before; do
   echo "== profile $v $(date +%T)"
   pre=""; [ $v = before ] && pre="$before; "
-  timeout 420 python3 -c "${pre}import runpy, sys; sys.argv = ['profile_batch.py', '--draft', '$head_dir', '--cache-dir', '$root/cache', '--batch', '16', '--k', '7']; runpy.run_path('benchmarks/profile_batch.py', run_name='__main__')" > "$o/profile_$v.txt" 2>&1
+  timeout 150 python3 -c "${pre}import runpy, sys; sys.argv = ['profile_batch.py', '--draft', '$head_dir', '--cache-dir', '$root/cache', '--batch', '16', '--k', '7']; runpy.run_path('benchmarks/profile_batch.py', run_name='__main__')" > "$o/profile_$v.txt" 2>&1
   grep -v -i warn "$o/profile_$v.txt" | tail -n 6 | cut -c1-400
 done
 for v in after before; do
