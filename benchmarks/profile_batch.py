@@ -2,8 +2,8 @@
 `4 x batch` greedy requests (the held-out demo prompts, cycled) through the scheduler, plain, at fixed
 K and with adaptive K, with the host time spent launching steps, handing out tokens (waiting for the
 device included) and admitting requests, the K chosen, the device's own time in steps (by K) and in
-prefills (CUDA events around each) and the rest of the run's wall time, in which the device waited for
-the host, and a cProfile of the adaptive run's host side.
+prefills (CUDA events around each) and the rest of the run's wall time (the device idle, waiting for the
+host, or copying admitted rows into the batch), and a cProfile of the adaptive run's host side.
 
     python3 benchmarks/profile_batch.py --draft BUNDLE/draft [--cache-dir DIR] [--batch 16] [--k 5]
 """
@@ -119,7 +119,7 @@ def main() -> None:
         by_key = "  ".join(f"{key} {n} x {total / n:.3f}" for key, (n, total) in device.items())
         lines.append(
             f"{label:<16} device ms: {by_key}; busy {busy:.1f} of {1000 * seconds:.1f} wall, "
-            f"waiting for the host {1000 * seconds - busy:.1f}"
+            f"the rest (idle or copying rows in) {1000 * seconds - busy:.1f}"
         )
         lines.append(
             f"{label:<16} {tokens / seconds:>9.1f} tok/s  {steps:>5} steps  {1000 * seconds / steps:6.3f} ms/step  "
