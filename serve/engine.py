@@ -236,12 +236,15 @@ class Engine:
         self.hidden_layers = draft.aux_layers if self.eagle else ()  # what the target hands an EAGLE-3 head
         self.target_forward = GraphedForward(target, cuda_graphs, compile_blocks, hidden_layers=self.hidden_layers)
         self.draft_forward = GraphedForward(draft, cuda_graphs, compile_blocks) if draft is not None and not self.eagle else None
-        self.target_prefill = GraphedPrefill(target, self.hidden_layers, cuda_graphs)
         # a joining request's prefill holds up every running row: the draft model's runs as a graph too
         self.draft_prefill = GraphedPrefill(draft, (), cuda_graphs) if self.draft_forward is not None else None
         if self.eagle and self.target_forward.enabled and compile_blocks:
             draft.compile_layers()
         self.draft_proposer = self.proposer()
+        # and an EAGLE-3 head's, after the target's: it reads the target's hidden states in place
+        self.target_prefill = GraphedPrefill(
+            target, self.hidden_layers, cuda_graphs, head=self.draft_proposer.prefill if self.eagle else None
+        )
         # greedy steps with the engine's draft (or plain) run as one graph each; the rest forward by forward.
         # The graphs' proposer factory holds no reference to the engine: a dropped engine frees its graphs
         # at once rather than at a garbage collection, which must not come during another engine's capture
@@ -313,7 +316,9 @@ class Engine:
         # last [B, V]: the logits after each prompt's last token; hidden states at every position [B, T, F]
         last, hidden = self.target_prefill(tokens, positions, lengths, cache_rows)
         first = sample(probabilities(rows.penalised(last.unsqueeze(1)), rows), generator).squeeze(1)  # [B]
-        draft_hidden = self.draft_proposer.prefill(tokens, positions, lengths, first, hidden, cache_rows) if self.draft_proposer else None
+        # the draft reads them too; an EAGLE-3 head replays with the target's prompt graph, over its hidden states
+        read = self.target_prefill.read_head if self.eagle else self.draft_proposer.prefill if self.draft_proposer else None
+        draft_hidden = read(tokens, positions, lengths, first, hidden, cache_rows) if read else None
         previous = tokens.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
         return DecodeState(lengths=lengths, pending=first, previous=previous, draft_hidden=draft_hidden), last
 

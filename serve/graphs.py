@@ -23,6 +23,8 @@ from draftsmith.serve.proposers import GivenDrafts, Proposer
 from draftsmith.serve.sampling import RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState, StepOutput, TargetForward, decode_step
 
+HeadRead = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None], Tensor]  # EagleProposer.prefill
+
 
 def bucket(n: int, limit: int) -> int:
     """The next power of two from n, at most `limit`: the few shapes that graphs are captured for."""
@@ -165,14 +167,19 @@ class GraphedPrefill:
     device work), and every running row waits for a joining request's prefill. Padding rows read
     positions past the cache's end (their writes land in the spare slot); a prompt padded to the
     bucket's length writes past its own end, positions that decoding rewrites before they are read.
-    Shapes of more than `max_tokens` tokens run eagerly, where the device's work outweighs the launches."""
+    Shapes of more than `max_tokens` tokens run eagerly, where the device's work outweighs the launches.
+    An EAGLE-3 head's prompt read (`head`: EagleProposer.prefill) follows the target's in a graph of its own
+    per bucket (`read_head`): eagerly it is ~150 small kernels an admission, launched while rows wait."""
 
     MIN_LENGTH = 16
 
-    def __init__(self, model: Transformer, hidden_layers: tuple[int, ...], enabled: bool, max_tokens: int = 8192):
-        self.model, self.hidden_layers, self.max_tokens = model, hidden_layers, max_tokens
+    def __init__(
+        self, model: Transformer, hidden_layers: tuple[int, ...], enabled: bool, max_tokens: int = 8192, head: HeadRead | None = None
+    ):
+        self.model, self.hidden_layers, self.max_tokens, self.head = model, hidden_layers, max_tokens, head
         self.enabled = enabled and model.output.weight.device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor], object]] = {}
+        self.head_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
 
     def shape(self, batch: int, length: int) -> tuple[int, int] | None:
@@ -207,12 +214,37 @@ class GraphedPrefill:
         last, hidden = out if self.hidden_layers else (out, None)
         return last[:B, 0].clone(), None if hidden is None else hidden[:B, :T]
 
+    @torch.inference_mode()
+    def read_head(self, tokens: Tensor, positions: Tensor, lengths: Tensor, first: Tensor, hidden: Tensor, cache_rows: Tensor) -> Tensor:
+        """The head reads the prompts that this prefill's last call read (`first` [B]: the tokens sampled
+        after them, `hidden` its hidden states); returns the head's hidden state at each prompt's end [B, H].
+        A replayed prefill's head read replays too, over that prefill's inputs and outputs in place."""
+        B, T = tokens.shape
+        shape = self.shape(B, T)
+        if shape is None:
+            return self.head(tokens, positions, lengths, first, hidden, cache_rows)
+        graph, static_first, out = self.head_graphs.get(shape) or self.capture_head(*shape)
+        static_first[:B] = first
+        graph.replay()
+        return out[:B].clone()
+
+    @torch.inference_mode()
+    def capture_head(self, batch: int, length: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+        _, static, (_, hidden) = self.graphs.get((batch, length)) or self.capture(batch, length)
+        first = torch.zeros(batch, dtype=torch.long, device=hidden.device)
+        read = lambda: self.head(static["tokens"], static["positions"], static["logits_at"][:, 0] + 1, first, hidden, static["cache_rows"])
+        graph, out = record_graph(read, self.pool)  # run before its capture: a real prefill's rows are read again by the replay
+        self.head_graphs[(batch, length)] = (graph, first, out)
+        return self.head_graphs[(batch, length)]
+
     def capture_all(self, batch: int) -> None:
         """Capture every length bucket that a prefill of `batch` prompts replays (a warm-up's work)."""
         length = self.MIN_LENGTH
         while (shape := self.shape(batch, length)) is not None:
             if shape not in self.graphs:
                 self.capture(*shape)
+            if self.head is not None and shape not in self.head_graphs:
+                self.capture_head(*shape)
             length *= 2
 
     @torch.inference_mode()
