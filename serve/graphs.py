@@ -7,7 +7,7 @@ lookup's, found on the host and copied in), the target's forward over K+1 tokens
 head's catch-up and the state's advance, with no gap between kernels and no Python in between; the one
 sync left is reading the step's tokens. On CPU (or with graphs off)
 the same calls run eagerly. `GraphedPrefill` replays the target's prompt forward (prefill) per (batch,
-length) bucket.
+length) bucket, and an EAGLE-3 head's after it.
 """
 
 from __future__ import annotations
