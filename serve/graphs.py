@@ -23,8 +23,6 @@ from draftsmith.serve.proposers import GivenDrafts, Proposer
 from draftsmith.serve.sampling import RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState, StepOutput, TargetForward, decode_step
 
-HeadRead = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None], Tensor]  # EagleProposer.prefill
-
 
 def bucket(n: int, limit: int) -> int:
     """The next power of two from n, at most `limit`: the few shapes that graphs are captured for."""
@@ -174,7 +172,12 @@ class GraphedPrefill:
     MIN_LENGTH = 16
 
     def __init__(
-        self, model: Transformer, hidden_layers: tuple[int, ...], enabled: bool, max_tokens: int = 8192, head: HeadRead | None = None
+        self,
+        model: Transformer,
+        hidden_layers: tuple[int, ...],
+        enabled: bool,
+        max_tokens: int = 8192,
+        head: Callable[..., Tensor] | None = None,
     ):
         self.model, self.hidden_layers, self.max_tokens, self.head = model, hidden_layers, max_tokens, head
         self.enabled = enabled and model.output.weight.device.type == "cuda"
