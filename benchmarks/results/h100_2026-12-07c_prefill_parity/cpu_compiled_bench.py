@@ -1,6 +1,9 @@
-"""bench decode on the CPU with the target's blocks compiled as on a GPU (decode shapes static, prompts symbolic)."""
+"""bench decode on the CPU with the target's blocks compiled as on a GPU (decode shapes static, prompts symbolic: the
+twelfth run's patch applied). PROMPTS_EAGER=1 keeps the prompt forward eager. Arguments: bench decode's."""
 
-import os, sys
+import os
+
+from draftsmith.pipeline.cli import main
 from draftsmith.serve import model as m
 
 forward = m.Transformer.forward
@@ -17,6 +20,4 @@ def forced(self, tokens, positions, fused=False, **kw):
 
 
 m.Transformer.forward = forced
-from draftsmith.pipeline.cli import main
-
 main()
