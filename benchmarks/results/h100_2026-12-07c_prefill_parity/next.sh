@@ -23,7 +23,7 @@ git apply benchmarks/results/h100_2026-12-07b_compiled_prompts/compiled_prompts.
   || patch -p1 < benchmarks/results/h100_2026-12-07b_compiled_prompts/compiled_prompts.patch
 timeout 360 python3 "$here/engine_parity.py" "$tdir" cuda 8 256 > "$o/engine_parity.txt" 2>&1
 grep -v -i warn "$o/engine_parity.txt" | tail -n 14
-if [[ "$gpu" == *H200* ]]; then
+if [[ "$gpu" == *H200* && -z "${NO_SHAPES:-}" ]]; then  # NO_SHAPES=1: measured elsewhere
   echo "== shapes $(date +%T)"
   timeout 360 python3 -m draftsmith.pipeline.cli bench shapes --shape llama-3.1-8b --batch 1 --k 4 --alpha 0.679 --repeats 3 \
     --out "$o/shapes_8b.json" > "$o/shapes_8b.txt" 2>&1; grep -v -i warn "$o/shapes_8b.txt" | tail -n 14
