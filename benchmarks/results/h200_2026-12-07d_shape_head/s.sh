@@ -18,5 +18,5 @@ grep -v -i warn "$o/shapes_8b.txt" | tail -n 16
 echo "== two-layer head $(date +%T)"
 OUT="$o" bash "$prev/next_head.sh"
 echo "== parity $(date +%T)"
-OUT="$o" bash "$prev/next.sh" | grep -v "^H\|^NVIDIA"
+OUT="$o" NO_SHAPES=1 bash "$prev/next.sh" | tail -n +2
 echo "== all done $(date +%T)"
