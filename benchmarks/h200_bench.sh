@@ -49,7 +49,7 @@
 # EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
-# GEMV=0 runs the CLI's commands (bench decode, bench shapes) with serve/gemv.py off (cuBLAS for every product). PROMPTS (8): the held-out prompts of qwen_coder's bench decode. STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
+# GEMV=0 runs the CLI's commands (bench decode, bench shapes) with serve/gemv.py off (cuBLAS for every product). PROMPTS (8): the held-out prompts of qwen_coder's bench decode, KS ("3 5") its K values. STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
 # replaces decode's drafts; `best` there is the best job of the newest `shapes` sweep, `spread4` its 4-layer
 # spread draft and `shipped` the W4A16 drafts of the newest sweep's jobs (`pipeline`), best first.
 set -euo pipefail
@@ -314,7 +314,7 @@ PY
   # PROMPTS (8): held-out prompts at batch 1. On the first 8, prompt lookup's tau at K = 5 was 3.43 against 2.51
   # on the evaluate stage's 128; 16 tell more but add ~2 minutes to a run that takes ~23 of a session's 30
   "${cli[@]}" bench decode --device cuda --target "$assets"/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --data "$assets"/code_prompts.jsonl \
-    --eval-fraction 0.2 --prompts "${PROMPTS:-8}" --new-tokens 128 --batch 16 --k 3 --k 5 --repeats 3 $drafts --lookup --cache-dir $root/cache \
+    --eval-fraction 0.2 --prompts "${PROMPTS:-8}" --new-tokens 128 --batch 16 $(printf -- "--k %s " ${KS:-3 5}) --repeats 3 $drafts --lookup --cache-dir $root/cache \
     --out "$out/bench_decode_qwen_coder.json" 2>&1 | tail -30
   ;;
 gemv)  # serve/gemv.py against cuBLAS: its GPU tests, its tiles at 1 and 6 rows, three rounds at two shapes
