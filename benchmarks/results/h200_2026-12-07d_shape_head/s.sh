@@ -13,7 +13,8 @@ prev=benchmarks/results/h100_2026-12-07c_prefill_parity
 mkdir -p "$o"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "$gpu" | tee "$o/gpu.txt"
-if [[ "$gpu" == *H200* ]]; then  # an H100's figures are known (RESULTS.md, fourth and fifth runs)
+if [[ "$gpu" == *H200* && -z "${NO_SHAPES:-}" ]]; then  # an H100's figures are known (RESULTS.md, fourth and fifth runs);
+  # NO_SHAPES=1 where an earlier call measured it (h200_bench.sh scale, alone on the device)
   echo "== shapes $(date +%T)"
   timeout 420 python3 -m draftsmith.pipeline.cli bench shapes --shape llama-3.1-8b --batch 1 --batch 16 --k 2 --k 4 \
     --alpha 0.679 --repeats 3 --out "$o/bench_shapes_llama-3.1-8b.json" > "$o/shapes_8b.txt" 2>&1
