@@ -317,13 +317,37 @@ class KVCache(nn.Module):
 # with serve/gemv.py: at the Llama-3.1-8B shape a plain step 6.06 ms against cuBLAS's 6.33, at the demo target's as
 # fast as cuBLAS, greedy output equal to plain decoding's (H100, 2026-12-06, benchmarks/RESULTS.md)
 USE_GEMV = True
+# Where serve/gemv.py runs, the norm before a layer's product, the SiLU gate before its down projection and the residual
+# add after its output and down projections run in the product's kernel (fewer kernels a step); off until a GPU has
+# timed it (benchmarks/profile_shape.py --variants)
+FUSE = False
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, through serve/gemv.py where it runs (USE_GEMV; no gradient through it)."""
-    if USE_GEMV and gemv.runs(x, weight) and not (torch.is_grad_enabled() and weight.requires_grad):
-        return gemv.op(x, weight, bias)
-    return F.linear(x, weight, bias)
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    norm: RMSNorm | None = None,
+    residual: Tensor | None = None,
+    gated: bool = False,
+) -> Tensor:
+    """F.linear, through serve/gemv.py where it runs (USE_GEMV; no gradient through it); of norm(x), or where gated of
+    silu(gate) * up for x = [gate, up], plus residual (each in the product's kernel under FUSE)."""
+    product = USE_GEMV and gemv.runs(x, weight) and not (torch.is_grad_enabled() and weight.requires_grad)
+    # the norm's weight times x may overflow float16 before the root mean square divides it
+    if product and FUSE and (norm is None or (not norm.offset and x.dtype != torch.float16)):
+        g, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        return gemv.op(x, weight, bias, g, eps, residual, gated)
+    x = x if norm is None else norm(x)
+    x = silu_gate(x) if gated else x
+    out = gemv.op(x, weight, bias) if product else F.linear(x, weight, bias)
+    return out if residual is None else residual + out
+
+
+def silu_gate(x: Tensor) -> Tensor:
+    """silu(gate) * up for x = [gate, up] on its last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Linear(nn.Linear):
@@ -344,12 +368,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm else None
         self.cache: KVCache | None = None
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, T, H, D], and k, v [B, T, H_kv, D], rotated."""
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, norm: RMSNorm | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, T, H, D], and k, v [B, T, H_kv, D], rotated, of x (or of norm(x))."""
         B, T, _ = x.shape
         a = self.args
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        q, k, v = self.wqkv(x).split([q_out, kv_out, kv_out], dim=-1)
+        q, k, v = linear(x, self.wqkv.weight, self.wqkv.bias, norm).split([q_out, kv_out, kv_out], dim=-1)
         q = q.view(B, T, a.num_heads, a.head_dim)
         k = k.view(B, T, a.num_kv_heads, a.head_dim)
         v = v.view(B, T, a.num_kv_heads, a.head_dim)
@@ -357,8 +381,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """q [B, T, H, D] over keys, values [B, H_kv, S, D] with mask [B or 1, 1, T, S] -> [B, T, hidden]."""
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, residual: Tensor | None = None) -> Tensor:
+        """q [B, T, H, D] over keys, values [B, H_kv, S, D] with mask [B or 1, 1, T, S] -> [B, T, hidden] (plus
+        residual)."""
         B, T = q.shape[:2]
         if self.args.attn_softcap:
             y = softcapped_attention(q.transpose(1, 2), keys, values, mask, self.scale, self.args.attn_softcap)
@@ -367,10 +392,22 @@ class Attention(nn.Module):
         else:
             gqa = self.args.num_heads != self.args.num_kv_heads
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # y [B, H, T, D]
+        return linear(y.transpose(1, 2).reshape(B, T, -1), self.wo.weight, self.wo.bias, residual=residual)  # y [B, H, T, D]
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None) -> Tensor:
-        q, k, v = self.project(x, cos, sin)
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        rows: Tensor,
+        slots: Tensor,
+        read: Tensor | None = None,
+        norm: RMSNorm | None = None,
+        residual: Tensor | None = None,
+    ) -> Tensor:
+        """Attention over x (or norm(x)), plus residual."""
+        q, k, v = self.project(x, cos, sin, norm)
         assert self.cache is not None, "call setup_cache first"
         self.cache.write(rows, slots, k, v)
         B, T = q.shape[:2]
@@ -378,9 +415,9 @@ class Attention(nn.Module):
             last = self.cache.k.shape[2] - 1
             softcap = self.args.attn_softcap or 0.0
             y = decode_attention.op(q, self.cache.k, self.cache.v, slots, last, read, self.window or 0, softcap, self.scale)  # [B, T, H, D]
-            return self.wo(y.reshape(B, T, -1))
+            return linear(y.reshape(B, T, -1), self.wo.weight, self.wo.bias, residual=residual)
         keys, values = self.cache.read(B, read)  # [B, H_kv, S, D]
-        return self.attend(q, keys, values, mask)
+        return self.attend(q, keys, values, mask, residual)
 
 
 # On a GPU with triton, forwards of a few tokens a row attend with serve/decode_attention.py
@@ -419,10 +456,13 @@ class FeedForward(nn.Module):
         self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate, up fused
         self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.intermediate, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
-        return self.w2(act * up)
+    def forward(self, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
+        """The feed-forward of x (or of norm(x)), plus residual."""
+        gate_up = linear(x, self.w13.weight, self.w13.bias, norm)
+        if self.activation == "gelu_tanh":
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            gate_up = F.gelu(gate, approximate="tanh") * up
+        return linear(gate_up, self.w2.weight, self.w2.bias, residual=residual, gated=self.activation != "gelu_tanh")
 
 
 class Block(nn.Module):
@@ -440,10 +480,11 @@ class Block(nn.Module):
         return self.attention.window is not None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None) -> Tensor:
-        a = self.attention(self.attention_norm(x), cos, sin, mask, rows, slots, read)
-        h = x + (self.post_attention_norm(a) if self.post_attention_norm is not None else a)
-        f = self.feed_forward(self.ffn_norm(h))
-        return h + (self.post_ffn_norm(f) if self.post_ffn_norm is not None else f)
+        if self.post_attention_norm is None:  # the residual adds and the norms in the products' kernels where they fuse
+            h = self.attention(x, cos, sin, mask, rows, slots, read, self.attention_norm, x)
+            return self.feed_forward(h, self.ffn_norm, h)
+        h = x + self.post_attention_norm(self.attention(x, cos, sin, mask, rows, slots, read, self.attention_norm))
+        return h + self.post_ffn_norm(self.feed_forward(h, self.ffn_norm))
 
 
 @dataclass
@@ -610,8 +651,7 @@ class Transformer(CachedModel):
             x = run(layer, x, *at.of(layer), at.rows, at.slots, at.read)
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, T', hidden]
-        x = self.norm(x)
-        logits = self.output(x) if self.vocab is None else linear(x, self.vocab_head)  # [B, T or T', V or V']
+        logits = linear(x, self.output.weight if self.vocab is None else self.vocab_head, norm=self.norm)  # [B, T or T', V or V']
         if self.args.final_softcap:
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return (logits, torch.cat([entering[i] for i in hidden_layers], dim=-1)) if hidden_layers else logits
