@@ -7,9 +7,9 @@ kernels of each.
         [--repeats 1]
 
 --variants times the plain step and a verification over 6 tokens instead, under settings that may move them:
-torch's attention instead of the runtime's kernel, inductor's GEMM autotuning for the compiled blocks, cuBLAS
-instead of the runtime's own kernel for one sequence's products (serve/gemv.py), and the norms, SiLU gates and
-residual adds in that kernel (all of them, or those named), in turns, --repeats rounds: the medians and ranges.
+torch's attention instead of the runtime's kernel, inductor's GEMM autotuning for the compiled blocks, and cuBLAS
+instead of the runtime's own kernel for one sequence's products (serve/gemv.py) (all of them, or those named), in
+turns, --repeats rounds: the medians and ranges.
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ SETTINGS = {
     "torch attention": {"attention": False},
     "GEMM autotuning": {"autotune": True},
     "cuBLAS": {"gemv": False},
-    "fused": {"fuse": True},  # the norms, the SiLU gate and the residual adds in serve/gemv.py's kernel (model.FUSE)
 }
 
 
@@ -88,14 +87,14 @@ def variants(shape: str, batch: int, floor: float, names: list[str], repeats: in
 
     from draftsmith.serve import model
 
-    shipped = {"attention": model.USE_DECODE_ATTENTION, "gemv": model.USE_GEMV, "fuse": model.FUSE, "autotune": inductor.max_autotune_gemm}
+    shipped = {"attention": model.USE_DECODE_ATTENTION, "gemv": model.USE_GEMV, "autotune": inductor.max_autotune_gemm}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     print(f"\n{shape}, batch {batch}: the whole plain step and a 6-token verification by setting (floor {floor:.3f} ms)")
     for turn in range(repeats):
         for name in names:
             torch._dynamo.reset()
             setting = {**shipped, **SETTINGS[name]}
-            model.USE_DECODE_ATTENTION, model.USE_GEMV, model.FUSE = setting["attention"], setting["gemv"], setting["fuse"]
+            model.USE_DECODE_ATTENTION, model.USE_GEMV = setting["attention"], setting["gemv"]
             inductor.max_autotune_gemm = setting["autotune"]
             times[name].append(step_and_verify_ms(shape, batch))
             torch.cuda.empty_cache()

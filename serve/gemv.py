@@ -62,35 +62,29 @@ def gemv(
     weight: Tensor,
     bias: Optional[Tensor] = None,
     config: Optional[Config] = None,
-    norm: Optional[Tensor] = None,
-    eps: float = 0.0,
     residual: Optional[Tensor] = None,
-    gated: bool = False,
 ) -> Tensor:
-    """F.linear(x, weight, bias) for rows x [..., K] and weight [N, K], summed in float32 (float32 products in full
-    precision); returns [..., N] in x's dtype. config: the tiles (CONFIG's, block_k fitted to K, by default).
+    """F.linear(x, weight, bias) (plus residual [..., N], in the same kernel) for rows x [..., K] and weight [N, K],
+    summed in float32 (float32 products in full precision); returns [..., N] in x's dtype. config: the tiles
+    (CONFIG's, block_k fitted to K, by default).
 
-    The small steps around a layer's products can come in the same kernel, so that a decoding step launches fewer:
-    norm [K] (with eps): the product of RMSNorm(x) with that weight, x's mean square summed on the way; gated: x is
-    [..., 2K], gate then up, and the product is of silu(gate) * up; residual [..., N]: added to the output."""
+    Taking in the RMS norm before a product or the SiLU gate before the down projection too slowed its reads 1.6x
+    and 4x on an H100 (2026-12-07: the math between an activation tile's load and the product); the residual add
+    after costs nothing there."""
     N, K = weight.shape
-    rows = x.numel() // (2 * K if gated else K)
+    rows = x.numel() // K
     block_n, block_k, warps, stages = fit(config or CONFIG, K)
     out = torch.empty(rows, N, dtype=x.dtype, device=x.device)
     _gemv[(triton.cdiv(rows, 16), triton.cdiv(N, block_n))](
         x.contiguous(),
         weight,
         bias if bias is not None else weight,  # not read without HAS_BIAS
-        norm if norm is not None else weight,  # not read without NORM
         residual.contiguous() if residual is not None else out,  # not read without RESIDUAL
         out,
         N,
         rows,
-        eps,
         K=K,
         HAS_BIAS=bias is not None,
-        NORM=norm is not None,
-        GATED=gated,
         RESIDUAL=residual is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -102,24 +96,14 @@ def gemv(
     return out.view(*x.shape[:-1], N)
 
 
-def _linear(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor] = None,
-    norm: Optional[Tensor] = None,
-    eps: float = 0.0,
-    residual: Optional[Tensor] = None,
-    gated: bool = False,
-) -> Tensor:
-    return gemv(x, weight, bias, None, norm, eps, residual, gated)
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    return gemv(x, weight, bias, residual=residual)
 
 
 if triton is not None:
     # an opaque op to torch.compile (the compiled blocks call it; inductor does not trace into triton here)
     op = torch.library.custom_op("draftsmith::gemv", _linear, mutates_args=())
-    op.register_fake(
-        lambda x, weight, bias=None, norm=None, eps=0.0, residual=None, gated=False: x.new_empty(*x.shape[:-1], weight.shape[0])
-    )
+    op.register_fake(lambda x, weight, bias=None, residual=None: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
     # M is not specialized: one compiled kernel for every row count, so that each row's sums are made alike
     @triton.jit(do_not_specialize=["M"])
@@ -127,16 +111,12 @@ if triton is not None:
         X,
         W,
         B,
-        G,
         R,
         Y,
         N,
         M,
-        eps,
         K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        NORM: tl.constexpr,
-        GATED: tl.constexpr,
         RESIDUAL: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -148,24 +128,12 @@ if triton is not None:
         m = tl.program_id(0) * 16 + tl.arange(0, 16)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_read = tl.where(n < N, n, 0)  # a last partial block reads row 0 again and stores nothing for it
-        row = m[:, None] * (2 * K if GATED else K)
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        squares = tl.zeros((16,), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
             w = tl.load(W + n_read[:, None] * K + cols[None, :], eviction_policy=EVICT)
-            x = tl.load(X + row + cols[None, :], mask=m[:, None] < M, other=0.0)
-            if GATED:  # silu(gate) * up, in float32, then in x's dtype as the product reads it
-                up = tl.load(X + row + K + cols[None, :], mask=m[:, None] < M, other=0.0).to(tl.float32)
-                gate = x.to(tl.float32)
-                x = (gate * tl.sigmoid(gate) * up).to(w.dtype)
-            if NORM:  # x times the norm's weight now, divided by its root mean square once the sums are made
-                xf = x.to(tl.float32)
-                squares += tl.sum(xf * xf, axis=1)
-                x = (xf * tl.load(G + cols).to(tl.float32)[None, :]).to(w.dtype)
+            x = tl.load(X + m[:, None] * K + cols[None, :], mask=m[:, None] < M, other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        if NORM:
-            acc = acc * tl.rsqrt(squares / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(B + n_read).to(tl.float32)[None, :]
         keep = (m[:, None] < M) & (n[None, :] < N)

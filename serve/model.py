@@ -317,37 +317,15 @@ class KVCache(nn.Module):
 # with serve/gemv.py: at the Llama-3.1-8B shape a plain step 6.06 ms against cuBLAS's 6.33, at the demo target's as
 # fast as cuBLAS, greedy output equal to plain decoding's (H100, 2026-12-06, benchmarks/RESULTS.md)
 USE_GEMV = True
-# Where serve/gemv.py runs, the norm before a layer's product, the SiLU gate before its down projection and the residual
-# add after its output and down projections run in the product's kernel (fewer kernels a step); off until a GPU has
-# timed it (benchmarks/profile_shape.py --variants)
-FUSE = False
 
 
-def linear(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    norm: RMSNorm | None = None,
-    residual: Tensor | None = None,
-    gated: bool = False,
-) -> Tensor:
-    """F.linear, through serve/gemv.py where it runs (USE_GEMV; no gradient through it); of norm(x), or where gated of
-    silu(gate) * up for x = [gate, up], plus residual (each in the product's kernel under FUSE)."""
-    product = USE_GEMV and gemv.runs(x, weight) and not (torch.is_grad_enabled() and weight.requires_grad)
-    # the norm's weight times x may overflow float16 before the root mean square divides it
-    if product and FUSE and (norm is None or (not norm.offset and x.dtype != torch.float16)):
-        g, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        return gemv.op(x, weight, bias, g, eps, residual, gated)
-    x = x if norm is None else norm(x)
-    x = silu_gate(x) if gated else x
-    out = gemv.op(x, weight, bias) if product else F.linear(x, weight, bias)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+    """F.linear (plus residual), through serve/gemv.py where it runs (USE_GEMV; no gradient through it), the residual
+    added in its kernel: one kernel a layer fewer, at the 8B shapes 0.5% off a step (H100, 2026-12-07)."""
+    if USE_GEMV and gemv.runs(x, weight) and not (torch.is_grad_enabled() and weight.requires_grad):
+        return gemv.op(x, weight, bias, residual)
+    out = F.linear(x, weight, bias)
     return out if residual is None else residual + out
-
-
-def silu_gate(x: Tensor) -> Tensor:
-    """silu(gate) * up for x = [gate, up] on its last dimension."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class Linear(nn.Linear):
@@ -368,12 +346,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm else None
         self.cache: KVCache | None = None
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor, norm: RMSNorm | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, T, H, D], and k, v [B, T, H_kv, D], rotated, of x (or of norm(x))."""
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, T, H, D], and k, v [B, T, H_kv, D], rotated."""
         B, T, _ = x.shape
         a = self.args
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        q, k, v = linear(x, self.wqkv.weight, self.wqkv.bias, norm).split([q_out, kv_out, kv_out], dim=-1)
+        q, k, v = self.wqkv(x).split([q_out, kv_out, kv_out], dim=-1)
         q = q.view(B, T, a.num_heads, a.head_dim)
         k = k.view(B, T, a.num_kv_heads, a.head_dim)
         v = v.view(B, T, a.num_kv_heads, a.head_dim)
@@ -392,7 +370,7 @@ class Attention(nn.Module):
         else:
             gqa = self.args.num_heads != self.args.num_kv_heads
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return linear(y.transpose(1, 2).reshape(B, T, -1), self.wo.weight, self.wo.bias, residual=residual)  # y [B, H, T, D]
+        return linear(y.transpose(1, 2).reshape(B, T, -1), self.wo.weight, self.wo.bias, residual)  # y [B, H, T, D]
 
     def forward(
         self,
@@ -403,11 +381,10 @@ class Attention(nn.Module):
         rows: Tensor,
         slots: Tensor,
         read: Tensor | None = None,
-        norm: RMSNorm | None = None,
         residual: Tensor | None = None,
     ) -> Tensor:
-        """Attention over x (or norm(x)), plus residual."""
-        q, k, v = self.project(x, cos, sin, norm)
+        """Attention over x, plus residual."""
+        q, k, v = self.project(x, cos, sin)
         assert self.cache is not None, "call setup_cache first"
         self.cache.write(rows, slots, k, v)
         B, T = q.shape[:2]
@@ -415,7 +392,7 @@ class Attention(nn.Module):
             last = self.cache.k.shape[2] - 1
             softcap = self.args.attn_softcap or 0.0
             y = decode_attention.op(q, self.cache.k, self.cache.v, slots, last, read, self.window or 0, softcap, self.scale)  # [B, T, H, D]
-            return linear(y.reshape(B, T, -1), self.wo.weight, self.wo.bias, residual=residual)
+            return linear(y.reshape(B, T, -1), self.wo.weight, self.wo.bias, residual)
         keys, values = self.cache.read(B, read)  # [B, H_kv, S, D]
         return self.attend(q, keys, values, mask, residual)
 
@@ -456,13 +433,10 @@ class FeedForward(nn.Module):
         self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate, up fused
         self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
-    def forward(self, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
-        """The feed-forward of x (or of norm(x)), plus residual."""
-        gate_up = linear(x, self.w13.weight, self.w13.bias, norm)
-        if self.activation == "gelu_tanh":
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            gate_up = F.gelu(gate, approximate="tanh") * up
-        return linear(gate_up, self.w2.weight, self.w2.bias, residual=residual, gated=self.activation != "gelu_tanh")
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
+        return linear(act * up, self.w2.weight, self.w2.bias, residual)
 
 
 class Block(nn.Module):
@@ -480,11 +454,11 @@ class Block(nn.Module):
         return self.attention.window is not None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: Tensor, slots: Tensor, read: Tensor | None = None) -> Tensor:
-        if self.post_attention_norm is None:  # the residual adds and the norms in the products' kernels where they fuse
-            h = self.attention(x, cos, sin, mask, rows, slots, read, self.attention_norm, x)
-            return self.feed_forward(h, self.ffn_norm, h)
-        h = x + self.post_attention_norm(self.attention(x, cos, sin, mask, rows, slots, read, self.attention_norm))
-        return h + self.post_ffn_norm(self.feed_forward(h, self.ffn_norm))
+        if self.post_attention_norm is None:  # each residual add in the kernel of the product before it, where it can
+            h = self.attention(self.attention_norm(x), cos, sin, mask, rows, slots, read, x)
+            return self.feed_forward(self.ffn_norm(h), h)
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, mask, rows, slots, read))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 @dataclass
@@ -651,7 +625,8 @@ class Transformer(CachedModel):
             x = run(layer, x, *at.of(layer), at.rows, at.slots, at.read)
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, T', hidden]
-        logits = linear(x, self.output.weight if self.vocab is None else self.vocab_head, norm=self.norm)  # [B, T or T', V or V']
+        x = self.norm(x)
+        logits = self.output(x) if self.vocab is None else linear(x, self.vocab_head)  # [B, T or T', V or V']
         if self.args.final_softcap:
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return (logits, torch.cat([entering[i] for i in hidden_layers], dim=-1)) if hidden_layers else logits

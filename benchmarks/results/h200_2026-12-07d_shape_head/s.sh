@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # Written in the thirty-fifth session (2026-12-07) and not run yet: no machine came that day (eleven refused
-# starts spent 1,546 of the session's 1,800 device seconds). For the next session, from the repository root after the
+# starts spent 1,546 of the session's 1,800 device seconds), and in the thirty-sixth only an H100, late. For the next session, from the repository root after the
 # recipe's two transfers (first part00, .whl and prelude.sh; then part01 and prelude.sh):
 #   bash benchmarks/h200_bench.sh bg benchmarks/results/h200_2026-12-07d_shape_head/s.sh; then `wait` calls
 # 1. on an H200, issue 35's Llama-3.1-8B shape with the runtime as shipped (GEMV kernel on): plain and verify steps, both draft
 #    kinds' steps, projected at the 1.5B run's head alpha (0.679, H100 2026-12-05);
-# 2. the fused products (model.FUSE, written in the thirty-sixth session): the GPU's gemv tests, then profile_shape's
-#    plain step and 6-token verification at the 8B shape, default against fused, 3 rounds;
-#    then issue 38's two-layer EAGLE-3 head (next_head.sh of the thirteenth run's folder);
+# 2. issue 38's two-layer EAGLE-3 head (next_head.sh of the thirteenth run's folder);
 # 3. the compiled prompt forward's parity checks (next.sh of that folder; its 8B step skipped, done in 1).
 set -uo pipefail
 o=${OUT:-/tmp/out}
@@ -22,11 +20,6 @@ if [[ "$gpu" == *H200* && -z "${NO_SHAPES:-}" ]]; then  # an H100's figures are 
     --alpha 0.679 --repeats 3 --out "$o/bench_shapes_llama-3.1-8b.json" > "$o/shapes_8b.txt" 2>&1
   grep -v -i warn "$o/shapes_8b.txt" | tail -n 16
 fi
-echo "== fused products $(date +%T)"  # model.FUSE (thirty-sixth session): greedy equality on the GPU, then its time at 8B
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py -k gemv 2>&1 | tail -n 3
-(cd benchmarks && timeout 420 python3 profile_shape.py --shape llama-3.1-8b --variants default fused --repeats 3) \
-  > "$o/fused_8b.txt" 2>&1
-grep -v -i warn "$o/fused_8b.txt" | tail -n 6
 if [[ -z "${NO_HEAD:-}" ]]; then  # NO_HEAD=1 where the device time left is short of its ~11 minutes
   echo "== two-layer head $(date +%T)"
   OUT="$o" bash "$prev/next_head.sh"
