@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Written in the thirty-fifth session (2026-12-07) and not run yet: no machine came that day (eleven refused
-# starts spent 1,546 of the session's 1,800 device seconds), and in the thirty-sixth only an H100, late. For the next session, from the repository root after the
-# recipe's two transfers (first part00, .whl and prelude.sh; then part01 and prelude.sh):
+# starts spent 1,546 of the session's 1,800 device seconds), and in the thirty-sixth only an H100, late. For the
+# next session, from the repository root after the recipe's two transfers (first part00, .whl and prelude.sh; then
+# part01 and prelude.sh):
 #   bash benchmarks/h200_bench.sh bg benchmarks/results/h200_2026-12-07d_shape_head/s.sh; then `wait` calls
 # 1. on an H200, issue 35's Llama-3.1-8B shape with the runtime as shipped (GEMV kernel on): plain and verify steps, both draft
 #    kinds' steps, projected at the 1.5B run's head alpha (0.679, H100 2026-12-05);
