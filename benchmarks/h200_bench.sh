@@ -29,7 +29,7 @@
 #                                            the files that benchmarks/qwen_coder_assets.py --pieces cut, carried one piece
 #                                            a call into $ROOT/qwen_coder/ (27 calls of ~5 s on a warm machine)
 #   bash benchmarks/h200_bench.sh gemv         serve/gemv.py: its GPU tests, gemv_probe at 1 and 6 rows, profile_shape's plain
-#                                            step and verification with and without it, three rounds at two shapes (then
+#                                            step and verification with and without it, three rounds at three shapes (then
 #                                            GEMV=0 ... decode: bench decode with it off)
 #   bash benchmarks/h200_bench.sh batch        where batch 16's time goes: launches, hand-outs, admissions, a cProfile
 #   bash benchmarks/h200_bench.sh attention    the target's forward by cache size, batch, tokens and attention kernel
@@ -49,7 +49,10 @@
 # EAGLE-3 head's training steps (2000). `eagle` also copies its bundle (~20 MB) to $OUT/bundle: kept here
 # under .gpu/bundle and carried to a later machine, BUNDLE=.gpu/bundle lets decode, serve, compare and
 # batch skip the head's training (the demo target is converted into the cache where the bundle expects it).
-# GEMV=0 runs the CLI's commands (bench decode, bench shapes) with serve/gemv.py off (cuBLAS for every product). PROMPTS (8): the held-out prompts of qwen_coder's bench decode, KS ("3 5") its K values. STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
+# GEMV=0 runs the CLI's commands (bench decode, bench shapes) with serve/gemv.py off (cuBLAS for every product).
+# PROMPTS (8): the held-out prompts of qwen_coder's bench decode, KS ("3 5") its K values, LOOKUP (--lookup) its
+# lookup rows (decode's: none; "--lookup --device-lookup": lookup first on the host and on the device side by side).
+# STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
 # replaces decode's drafts; `best` there is the best job of the newest `shapes` sweep, `spread4` its 4-layer
 # spread draft and `shipped` the W4A16 drafts of the newest sweep's jobs (`pipeline`), best first.
 set -euo pipefail
@@ -215,7 +218,7 @@ print(rs[0]['outputs']['distill'] + '/draft')");;
     if [ -n "$standalone" ]; then drafts+=(--draft "$standalone"); fi
   fi
   "${cli[@]}" bench decode --device cuda --prompts 8 --new-tokens 256 --batch 16 --k 2 --k 3 --k 4 --k 5 --repeats 3 \
-    ${STOP_AT_EOS:+--stop-at-eos} "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
+    ${STOP_AT_EOS:+--stop-at-eos} ${LOOKUP:-} "${drafts[@]}" --cache-dir $root/cache --out "$out/bench_decode.json"
   ;;
 serve)
   "${cli[@]}" serve "$(bundle)" --device cuda --port "$port" > "$out/serve.log" 2>&1 &
@@ -314,15 +317,15 @@ PY
   # PROMPTS (8): held-out prompts at batch 1. On the first 8, prompt lookup's tau at K = 5 was 3.43 against 2.51
   # on the evaluate stage's 128; 16 tell more but add ~2 minutes to a run that takes ~23 of a session's 30
   "${cli[@]}" bench decode --device cuda --target "$assets"/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --data "$assets"/code_prompts.jsonl \
-    --eval-fraction 0.2 --prompts "${PROMPTS:-8}" --new-tokens 128 --batch 16 $(printf -- "--k %s " ${KS:-3 5}) --repeats 3 $drafts --lookup --cache-dir $root/cache \
+    --eval-fraction 0.2 --prompts "${PROMPTS:-8}" --new-tokens 128 --batch 16 $(printf -- "--k %s " ${KS:-3 5}) --repeats 3 $drafts ${LOOKUP:---lookup} --cache-dir $root/cache \
     --out "$out/bench_decode_qwen_coder.json" 2>&1 | tail -30
   ;;
-gemv)  # serve/gemv.py against cuBLAS: its GPU tests, its tiles at 1 and 6 rows, three rounds at two shapes
+gemv)  # serve/gemv.py against cuBLAS: its GPU tests, its tiles at 1 and 6 rows, three rounds at three shapes
   # the GPU's own tests (tests/test_gemv.py's interpreter sums are numpy's: bit for bit alike only on the CPU machines)
   python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py::test_the_model_keeps_torch_products_where_the_kernel_does_not_run \
     tests/test_cuda_graphs.py -k gemv 2>&1 | tail -5
   for rows in 1 6; do python3 benchmarks/gemv_probe.py --shape llama-3.1-8b --rows $rows --quick 2>&1 | tail -n 10; done
-  for shape in llama-3.1-8b smollm2-135m; do
+  for shape in llama-3.1-8b qwen2.5-1.5b smollm2-135m; do
     python3 benchmarks/profile_shape.py --shape $shape --variants default cuBLAS --repeats 3 2>&1 | tail -n 4
   done
   ;;

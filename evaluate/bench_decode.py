@@ -7,7 +7,8 @@ At batch 1, the held-out demo prompts one after another, greedy, exactly `new_to
 generated): optionally transformers `generate` and assisted generation, draftsmith plain decoding
 (eager and CUDA graphs only when asked; CUDA graphs and compiled blocks always), and speculative
 decoding with each draft (a draft model or an EAGLE-3 head; with lookup, each draft with prompt lookup first
-(serve.proposers.LookupFirst) and prompt lookup alone too) at each K. Then at batch `batch`
+(serve.proposers.LookupFirst) and prompt lookup alone too; with device_lookup, each draft with lookup first
+searched on the device) at each K. Then at batch `batch`
 (continuous batching, CUDA graphs and compiled blocks as `draftsmith serve` runs): 4 x batch requests,
 the prompts cycled in order (request i gets prompt i mod len(prompts)), plain and speculative with
 adaptive K <= max K for each draft.
@@ -16,6 +17,7 @@ adaptive K <= max K for each draft.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -213,11 +215,12 @@ def run_bench(
     batch: int = 16,
     stop_at_eos: bool = False,
     lookup: bool = False,
+    device_lookup: bool = False,
     on_row: Callable[[list[BenchRow]], None] | None = None,
 ) -> list[BenchRow]:
     """The rows of `bench decode` (see the module's docstring); lookup: each draft with prompt lookup first, and
-    prompt lookup alone, as more drafts. on_row hears the rows so far after each new one (what a run cut short
-    keeps)."""
+    prompt lookup alone, as more drafts; device_lookup: each draft with lookup first on the device. on_row hears
+    the rows so far after each new one (what a run cut short keeps)."""
     max_seq_len = max(len(p) for p in prompts) + new_tokens + max(ks) + 8
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=not stop_at_eos)
     rows: list[BenchRow] = []
@@ -237,7 +240,7 @@ def run_bench(
             )
         )
     target = load_model(target_dir, DTYPES[dtype], device)
-    drafters = drafters_of(drafts, target.args.vocab_size, dtype, device, lookup)
+    drafters = drafters_of(drafts, target.args.vocab_size, dtype, device, lookup, device_lookup)
     eos = eos_ids_of(target_dir)
     graphs = device.startswith("cuda")
     # engines share the target and each holds its own KV caches and graphs: one alive at a time
@@ -276,16 +279,21 @@ def run_bench(
     return rows
 
 
-def drafters_of(drafts: Sequence[Path], vocab_size: int, dtype: str, device: str, lookup: bool) -> dict[str, tuple]:
+def drafters_of(
+    drafts: Sequence[Path], vocab_size: int, dtype: str, device: str, lookup: bool, device_lookup: bool = False
+) -> dict[str, tuple]:
     """name -> (the engine's draft, a function of the engine giving the proposer when it is not the draft): with
     lookup, each draft with prompt lookup first (it drafts where a row's text repeats itself), then prompt lookup
-    alone, which has no model."""
+    alone, which has no model; with device_lookup, each draft with lookup first searched on the device."""
     engines_draft = lambda engine: None
     drafters: dict[str, tuple[object, Callable[[Engine], Proposer | None]]] = {}
     for name, d in zip(draft_names(drafts), drafts):
         drafters[name] = (load_draft(d, DTYPES[dtype], device), engines_draft)
         if lookup:
             drafters[f"{name} + lookup"] = (drafters[name][0], lambda engine: LookupFirst(engine.draft_proposer, vocab_size))
+        if device_lookup:
+            first = lambda engine: LookupFirst(engine.draft_proposer, vocab_size, on_device=True)
+            drafters[f"{name} + device lookup"] = (drafters[name][0], first)
     if lookup:
         drafters["prompt lookup"] = (None, lambda engine: PromptLookup(vocab_size))
     return drafters
@@ -300,9 +308,17 @@ def environment(device: str) -> dict:
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    else:
-        info["cpu"] = platform.processor() or platform.machine()
+    info["cpu"] = cpu_model()  # the host too: steps that wait on it (lookup first's) take longer on a slower one
     return info
+
+
+def cpu_model() -> str:
+    """The host's CPU, as /proc/cpuinfo names it (else what platform knows), and how many cores this process has."""
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
 
 
 def results_table(rows: list[BenchRow], title: str):

@@ -125,6 +125,7 @@ def bench_decode(
     assisted: bool = typer.Option(False, help="include transformers assisted generation with the (first) draft model"),
     eager: bool = typer.Option(False, help="include plain decoding eager and with CUDA graphs but no compiled blocks"),
     lookup: bool = typer.Option(False, "--lookup", help="each draft with prompt lookup first, and prompt lookup alone, at each K"),
+    device_lookup: bool = typer.Option(False, "--device-lookup", help="each draft with lookup first searched on the device, at each K"),
     out: Path = typer.Option(None, help="write the rows as JSON here, again after each row (a run cut short keeps what it measured)"),
     cache_dir: str = typer.Option("~/.cache/draftsmith", help="where converted targets are kept"),
 ) -> None:
@@ -167,14 +168,14 @@ def bench_decode(
             batch=batch,
             stop_at_eos=stop_at_eos,
             lookup=lookup,
+            device_lookup=device_lookup,
             on_row=lambda rows: write_results(rows, out, command, device, about) if out else None,
         )
     length = f"up to {new_tokens} new tokens (to EOS)" if stop_at_eos else f"{new_tokens} new tokens"
     title = (
         f"bench decode: {target} on {device}, {len(ids)} of {len(heldout)} held-out prompts x {length}, greedy, median of {repeats} runs"
     )
-    table = results_table(rows, title)
-    print_table(table)
+    print_table(results_table(rows, title))
 
 
 @bench.command("serve")
@@ -242,7 +243,9 @@ def bench_serve_command(
 @bench.command("shapes")
 def bench_shapes(
     shape: list[str] = typer.Option(
-        ["llama-3.1-8b"], "--shape", help="a named target shape (repeatable): llama-3.1-8b, qwen2.5-7b, qwen3-8b, smollm2-135m, tiny"
+        ["llama-3.1-8b"],
+        "--shape",
+        help="a named target shape (repeatable): llama-3.1-8b, qwen2.5-7b, qwen3-8b, qwen2.5-1.5b, smollm2-135m, tiny",
     ),
     batch: list[int] = typer.Option([1, 16], "--batch", help="batch sizes (repeatable)"),
     k: list[int] = typer.Option([2, 4], "--k", help="num_speculative_tokens (repeatable)"),

@@ -320,7 +320,10 @@ class Engine:
         read = self.target_prefill.read_head if self.eagle else self.draft_proposer.prefill if self.draft_proposer else None
         draft_hidden = read(tokens, positions, lengths, first, hidden, cache_rows) if read else None
         previous = tokens.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
-        return DecodeState(lengths=lengths, pending=first, previous=previous, draft_hidden=draft_hidden), last
+        text = torch.zeros(B, self.max_seq_len + 2, dtype=torch.long, device=self.device)  # as wide as idle_state's
+        text[:, :longest] = tokens
+        text.scatter_(1, lengths.unsqueeze(1), first.unsqueeze(1))
+        return DecodeState(lengths=lengths, pending=first, previous=previous, draft_hidden=draft_hidden, text=text), last
 
     @torch.inference_mode()
     def generate(
@@ -354,8 +357,8 @@ class Engine:
         active = to_device(active_rows, self.device)
         generation = Generation(completions=[])
         reads_history = k > 0 and proposer.reads_history
-        # a step's tokens are read while the next one runs, unless the next step needs them (prompt lookup
-        # reads the history) or the target's logits are wanted (the next step rewrites them)
+        # a step's tokens are read while the next one runs, unless the next step needs them (lookup first
+        # reads the history on the host) or the target's logits are wanted (the next step rewrites them)
         ahead = self.overlap and not reads_history and not any(logprobs)
         in_flight: Launched | None = None
         while any(active_rows):
@@ -390,9 +393,10 @@ class Engine:
         tensors hold until the next step."""
         self.activate()
         graphed = self.step_graphs is not None and rows.all_greedy and rows.penalties is None
-        if graphed and k and isinstance(proposer, PromptLookup):  # the host's drafts into the step's graph
-            return self.step_graphs(state, active, k, to_device(proposer.plan(histories, k)[0], self.device), follows=False)
-        if graphed and k and isinstance(proposer, LookupFirst) and proposer.draft is self.draft_proposer:
+        lookup_first = isinstance(proposer, LookupFirst) and proposer.draft is self.draft_proposer
+        if graphed and k and (isinstance(proposer, PromptLookup) or lookup_first and proposer.on_device):
+            return self.step_graphs(state, active, k, lookup=proposer)  # the rows' text searched in the step's graph
+        if graphed and k and lookup_first:
             drafts, use = proposer.plan(histories, k)
             if any(use):  # the lookup's drafts where they are taken (every row: the draft does not run)
                 return self.step_graphs(state, active, k, to_device(drafts, self.device), None if all(use) else to_device(use, self.device))
@@ -433,9 +437,9 @@ class Engine:
         (default: the engine's draft), on idle rows (nothing moves). The Ks are timed in turns, `rounds` times
         each, and each keeps its fastest: another job on the device slows every K alike rather than the ones
         timed while it ran, and it can only add time. A first, untimed step of each K warms up (on a GPU it
-        captures the step's graph). A proposer that reads each row's text (prompt lookup) searches random texts
-        half the cache long, as long as 1,024 tokens: on one token its host search cost nothing, and adaptive K
-        kept a lookup at batch 16 that decoded at 0.56x plain (H100, 2026-12-05)."""
+        captures the step's graph). A proposer that reads each row's text on the host (lookup first) searches random
+        texts half the cache long, as long as 1,024 tokens: on one token its host search cost nothing, and adaptive
+        K kept a lookup at batch 16 that decoded at 0.56x plain (H100, 2026-12-05)."""
         state, active = self.idle_state(batch), torch.zeros(batch, dtype=torch.bool, device=self.device)
         rows = RowSampling.of([SamplingParams()] * batch, self.device)
         proposer = proposer or self.draft_proposer

@@ -3,11 +3,11 @@
 At this model size launch overhead, not memory bandwidth, bounds a decode step; replaying a graph
 launches all its kernels at once. `GraphedForward` captures one model forward per (batch, tokens)
 shape. `GraphedSteps` captures a whole greedy step per (batch, K): the draft's K proposals (or prompt
-lookup's, found on the host and copied in), the target's forward over K+1 tokens, acceptance, an EAGLE-3
-head's catch-up and the state's advance, with no gap between kernels and no Python in between; the one
-sync left is reading the step's tokens. On CPU (or with graphs off)
-the same calls run eagerly. `GraphedPrefill` replays the target's prompt forward (prefill) per (batch,
-length) bucket, and an EAGLE-3 head's after it.
+lookup's, searched on the device, or lookup first's, found on the host and copied in), the target's
+forward over K+1 tokens, acceptance, an EAGLE-3 head's catch-up and the state's advance, with no gap
+between kernels and no Python in between; the one sync left is reading the step's tokens. On CPU (or
+with graphs off) the same calls run eagerly. `GraphedPrefill` replays the target's prompt forward
+(prefill) per (batch, length) bucket, and an EAGLE-3 head's after it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ import torch
 from torch import Tensor
 
 from draftsmith.serve.model import Transformer
-from draftsmith.serve.proposers import GivenDrafts, Proposer
+from draftsmith.serve.proposers import GivenDrafts, LookupFirst, PromptLookup, Proposer
 from draftsmith.serve.sampling import RowSampling, SamplingParams
 from draftsmith.serve.speculative import DecodeState, StepOutput, TargetForward, decode_step
+
+# a step graph's drafts: "draft", "given", "mixed", ("lookup", max_ngram, min_ngram) or ("lookup first", max_ngram, min_match)
+Drafted = str | tuple[str, int, int]
 
 
 def bucket(n: int, limit: int) -> int:
@@ -109,25 +112,36 @@ class GraphedForward:
 
 class GraphedSteps:
     """Greedy decoding steps as CUDA graphs, one per (batch, K, drafts); K = 0 is a plain step. `proposer()`
-    makes the engine's proposer with compiled forwards (None without a draft). Drafts found on the host
-    (prompt lookup's) are copied into the graph's own buffers (serve.proposers.GivenDrafts) before it replays,
-    for every row (the draft, if `follows`, reads the step after) or only the rows `use` marks (the draft
-    drafts the others)."""
+    makes the engine's proposer with compiled forwards (None without a draft). Drafts found on the host (lookup
+    first's) are copied into the graph's own buffers (serve.proposers.GivenDrafts) before it replays, for every
+    row (the draft reads the step after) or only the rows `use` marks (the draft drafts the others). Prompt
+    lookup, and lookup first on the device (`lookup`), search the rows' text inside the graph."""
 
     def __init__(
         self, target: Transformer, hidden_layers: tuple[int, ...], proposer: Callable[[], Proposer | None], hidden_size: int | None = None
     ):
         self.target, self.hidden_layers, self.proposer, self.hidden_size = target, hidden_layers, proposer, hidden_size
-        self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, DecodeState, Tensor, Proposer | None, StepOutput]] = {}
+        self.graphs: dict[tuple[int, int, Drafted], tuple[torch.cuda.CUDAGraph, DecodeState, Tensor, Proposer | None, StepOutput]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     @torch.inference_mode()
     def __call__(
-        self, state: DecodeState, active: Tensor, k: int, drafts: Tensor | None = None, use: Tensor | None = None, follows: bool = True
+        self,
+        state: DecodeState,
+        active: Tensor,
+        k: int,
+        drafts: Tensor | None = None,
+        use: Tensor | None = None,
+        lookup: PromptLookup | LookupFirst | None = None,
     ) -> StepOutput:
         """The step's output (rewritten by the next replay); `state` advances in place. drafts [B, K]: the
-        host's, taken where `use` [B] is True (None: every row)."""
-        drafted = "draft" if drafts is None else "mixed" if use is not None else "given" if follows else "given alone"
+        host's, taken where `use` [B] is True (None: every row); lookup: one that searches the rows' text on the
+        device (prompt lookup, or lookup first on_device over the engine's draft) drafts instead."""
+        drafted: Drafted = "draft" if drafts is None else "mixed" if use is not None else "given"
+        if isinstance(lookup, PromptLookup):
+            drafted = ("lookup", lookup.max_ngram, lookup.min_ngram)
+        elif lookup is not None:
+            drafted = ("lookup first", lookup.max_ngram, lookup.min_match)
         key = (len(active), k, drafted)
         graph, static_state, static_active, proposer, out = self.graphs.get(key) or self.capture(*key)
         static_state.copy_(state)
@@ -141,7 +155,7 @@ class GraphedSteps:
         return out
 
     @torch.inference_mode()
-    def capture(self, batch: int, k: int, drafted: str = "draft"):
+    def capture(self, batch: int, k: int, drafted: Drafted = "draft"):
         weight = self.target.output.weight
         # warm-up and capture run inactive rows past the cache's end: every write lands in the spare slot
         # (positions clamp to it, the draft's re-read of `previous` included) and the state stays put
@@ -149,11 +163,18 @@ class GraphedSteps:
         active = torch.zeros(batch, dtype=torch.bool, device=weight.device)
         rows = RowSampling.of([SamplingParams()] * batch, weight.device)  # greedy: no generator, no distributions
         target = target_forward(self.target, self.hidden_layers, fused=True)
-        proposer = None if drafted == "given alone" else self.proposer()
-        if drafted != "draft":
+        name, max_ngram, least = drafted if isinstance(drafted, tuple) else (drafted, 0, 0)
+        vocab_size = self.target.args.vocab_size
+        if name == "lookup":  # the rows' text searched inside the graph
+            proposer: Proposer | None = PromptLookup(vocab_size, max_ngram, least)
+        elif name == "lookup first":  # so too, the draft drafting the rows without a match
+            proposer = LookupFirst(self.proposer(), vocab_size, least, max_ngram, on_device=True)
+        else:
+            proposer = self.proposer()
+        if drafted in ("given", "mixed"):
             tokens = torch.zeros(batch, k, dtype=torch.long, device=weight.device)
             use = torch.zeros(batch, dtype=torch.bool, device=weight.device) if drafted == "mixed" else None
-            proposer = GivenDrafts(proposer, tokens, use, self.target.args.vocab_size)
+            proposer = GivenDrafts(proposer, tokens, use, vocab_size)
         graph, out = record_graph(lambda: decode_step(target, proposer, state, active, k, rows, None), self.pool)
         self.graphs[(batch, k, drafted)] = (graph, state, active, proposer, out)
         return self.graphs[(batch, k, drafted)]

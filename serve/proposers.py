@@ -194,8 +194,35 @@ def one_hot_q(tokens: Tensor, rows: RowSampling, vocab_size: int) -> Tensor | No
     return None if rows.all_greedy else torch.nn.functional.one_hot(tokens, vocab_size).float()  # [B, K, V]
 
 
+def lookup_rows(text: Tensor, lengths: Tensor, k: int, max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
+    """`lookup_match` for every row at once, on the text's device with no host in between (inside a step's CUDA
+    graph too): row b's history is text[b, : lengths[b] + 1] (DecodeState.text). Returns the drafts [B, K] and
+    the length of the n-gram they follow [B] (0: none matched, the last token repeats)."""
+    S, device = text.shape[1], text.device
+    ends = lengths + 1  # [B]: each history's length
+    start = ends - 1  # where the drafts are copied from: the last token, where nothing matches
+    matched = torch.zeros_like(lengths)
+    for n in range(min_ngram, min(max_ngram, S - 1) + 1):  # a longer n-gram's match overrides a shorter one's
+        final = text.gather(1, (ends.unsqueeze(1) - n + torch.arange(n, device=device)).clamp(min=0))  # [B, n]
+        match = text[:, : S - n + 1] == final[:, :1]  # starts 0 .. S - n
+        for i in range(1, n):
+            match &= text[:, i : S - n + 1 + i] == final[:, i : i + 1]
+        starts = torch.arange(S - n + 1, device=device)
+        match &= starts < (ends - n).unsqueeze(1)  # never the final n-gram itself, nor past the history
+        latest = torch.where(match, starts, -1).amax(dim=1)  # [B]
+        start = torch.where(latest >= 0, latest + n, start)
+        matched = torch.where(latest >= 0, n, matched)
+    # the K tokens from `start`; where fewer follow, the history's last one repeats
+    at = torch.minimum(start.unsqueeze(1) + torch.arange(k, device=device), (ends - 1).unsqueeze(1))
+    return text.gather(1, at), matched
+
+
 class PromptLookup:
-    reads_history = True
+    """Prompt lookup decoding: each row's drafts are what followed the latest earlier occurrence of its text's
+    final n-gram (`lookup_match`), searched on the device in the state's `text` (`lookup_rows`): a step needs
+    no host work, so the next one is launched while the device runs it, and greedy steps run as CUDA graphs."""
+
+    reads_history = False
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
@@ -203,12 +230,8 @@ class PromptLookup:
     def propose(
         self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
     ) -> tuple[Tensor, Tensor | None]:
-        tokens = torch.tensor(self.plan(histories, k)[0], device=state.lengths.device)  # [B, K]
+        tokens, _ = lookup_rows(state.text, state.lengths, k, self.max_ngram, self.min_ngram)  # [B, K]
         return tokens, one_hot_q(tokens, rows, self.vocab_size)
-
-    def plan(self, histories: Sequence[Sequence[int]], k: int) -> tuple[list[list[int]], None]:
-        """Each row's K drafts, found on the host, and which rows take them (None: all)."""
-        return [lookup(h, k, self.max_ngram, self.min_ngram) for h in histories], None
 
     def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> None:
         return None
@@ -219,17 +242,23 @@ class PromptLookup:
 
 class LookupFirst:
     """Prompt lookup where a row's text already holds its final `min_match` tokens (code that repeats its
-    prompt, say), the draft (a draft model or an EAGLE-3 head) for the other rows; in a step where every row
-    has such a match the draft does not run at all. Which proposer drafts a row is decided from its text
-    alone, so verification stays exact. Each step's drafts go through GivenDrafts, as in a step's CUDA graph
-    (Engine.step), and the draft's state follows every step either way."""
+    prompt, say), the draft (a draft model or an EAGLE-3 head) for the other rows. Which proposer drafts a row
+    is decided from its text alone, so verification stays exact, and the draft's state follows every step
+    either way. Two ways to decide, one per instance:
+    - on the host (the default): each step's drafts go through GivenDrafts, as in a step's CUDA graph
+      (Engine.step), and in a step where every row has a match the draft does not run at all; the host reads
+      each step's tokens before the next launch.
+    - on the device (`on_device`): the state's text is searched inside the step (`lookup_rows`), so the next
+      step is launched while the device runs this one; the draft runs every step, and a draft model reads the
+      tokens the target read after each."""
 
-    reads_history = True
-
-    def __init__(self, draft: "DraftModel | EagleProposer", vocab_size: int, min_match: int = 3, max_ngram: int = 3):
+    def __init__(
+        self, draft: "DraftModel | EagleProposer", vocab_size: int, min_match: int = 3, max_ngram: int = 3, on_device: bool = False
+    ):
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"min_match must be 1..max_ngram ({max_ngram}), got {min_match}")
         self.draft, self.vocab_size, self.max_ngram, self.min_match = draft, vocab_size, max_ngram, min_match
+        self.on_device, self.reads_history = on_device, not on_device
         self._step: "DraftModel | EagleProposer | GivenDrafts" = draft  # what proposed the last step's drafts
 
     def plan(self, histories: Sequence[Sequence[int]], k: int) -> tuple[list[list[int]], list[bool]]:
@@ -240,12 +269,16 @@ class LookupFirst:
     def propose(
         self, state: DecodeState, k: int, rows: RowSampling, generator: Random, histories: Sequence[Sequence[int]] = ()
     ) -> tuple[Tensor, Tensor | None]:
-        drafts, use = self.plan(histories, k)
-        self._step = self.draft
-        if any(use):
-            device = state.lengths.device
-            mixed = None if all(use) else torch.tensor(use, device=device)
-            self._step = GivenDrafts(self.draft, torch.tensor(drafts, device=device), mixed, self.vocab_size)
+        if self.on_device:
+            drafts, matched = lookup_rows(state.text, state.lengths, k, self.max_ngram, 1)
+            self._step = GivenDrafts(self.draft, drafts, matched >= self.min_match, self.vocab_size)
+        else:
+            drafts, use = self.plan(histories, k)
+            self._step = self.draft
+            if any(use):
+                device = state.lengths.device
+                mixed = None if all(use) else torch.tensor(use, device=device)
+                self._step = GivenDrafts(self.draft, torch.tensor(drafts, device=device), mixed, self.vocab_size)
         return self._step.propose(state, k, rows, generator, histories)
 
     def prefill(self, tokens, positions, lengths, first, target_hidden, cache_rows) -> Tensor | None:
@@ -257,15 +290,15 @@ class LookupFirst:
 
 
 class GivenDrafts:
-    """Drafts found on the host (prompt lookup's, `plan` above) in `tokens` [B, K], which a CUDA graph of the step
-    reads (written in before each replay). Rows that `use` [B] marks take them, the others the draft's (use None:
-    every row takes them, and the draft does not run). The draft (None: none) follows every step: an EAGLE-3 head
-    reads the target's hidden states as after any step, and a draft model first reads the tokens the target read,
-    which it did not all draft itself. (It proposes within steps only: the engine's draft reads the prompts.)"""
+    """Drafts found on the host (lookup first's, `LookupFirst.plan`) in `tokens` [B, K], which a CUDA graph of the
+    step reads (written in before each replay). Rows that `use` [B] marks take them, the others the draft's (use
+    None: every row takes them, and the draft does not run). The draft follows every step: an EAGLE-3 head reads
+    the target's hidden states as after any step, and a draft model first reads the tokens the target read, which
+    it did not all draft itself. (It proposes within steps only: the engine's draft reads the prompts.)"""
 
     reads_history = False
 
-    def __init__(self, draft: "DraftModel | EagleProposer | None", tokens: Tensor, use: Tensor | None, vocab_size: int):
+    def __init__(self, draft: "DraftModel | EagleProposer", tokens: Tensor, use: Tensor | None, vocab_size: int):
         self.draft, self.tokens, self.use, self.vocab_size = draft, tokens, use, vocab_size
 
     def propose(
@@ -279,8 +312,6 @@ class GivenDrafts:
         return tokens, (None if q is None else torch.where(self.use.view(-1, 1, 1), given_q, q))
 
     def follow(self, state: DecodeState, out: StepOutput) -> Tensor | None:
-        if self.draft is None:
-            return None
         if isinstance(self.draft, DraftModel):
             self.draft.read(state, out)
         return self.draft.follow(state, out)

@@ -122,8 +122,8 @@ class Scheduler:
         on_step: Callable[[int, list[int]], None] = lambda k, accepted: None,
         proposer: Proposer | None = None,
     ):
-        """proposer: what drafts (default: the engine's draft model or head; prompt lookup reads each row's
-        text so far, so its steps are handed out before the next launch)."""
+        """proposer: what drafts (default: the engine's draft model or head; lookup first reads each row's
+        text so far on the host, so its steps are handed out before the next launch)."""
         self.proposer = proposer or engine.draft_proposer
         if num_speculative_tokens > 0 and self.proposer is None:
             raise EngineError("num_speculative_tokens > 0 needs an engine with a draft model")
@@ -366,7 +366,7 @@ class Scheduler:
                 self.rows[row] = Running(request, stop, Acceptance.prior(self.prior_alpha), p.generators.get(i))
         self.joined += prefilled
         if not self.engine.overlap or self._reads_history(self.max_k):
-            self._emit_first()  # prompt lookup drafts from the text so far, the first token included
+            self._emit_first()  # lookup first drafts from the text so far, the first token included
 
     def _emit_first(self) -> None:
         """Hand the requests that joined their first tokens. Reading them waits for their prefill, so with

@@ -6,7 +6,8 @@ A draft model re-reads `previous` with `pending` in its first forward, so its ca
 or not the last step accepted every draft token, and every step has the same shapes; after a plain step
 it reads the same two (`Proposer.follow`), so that its cache stays whole while adaptive K drafts nothing. An EAGLE-3 head
 instead catches up after the target's forward (`Proposer.follow`) and keeps its hidden state for the
-position before `pending` in `draft_hidden`.
+position before `pending` in `draft_hidden`. `text` holds each row's tokens so far on the device (the prompt,
+then what was emitted, `pending` at `lengths`): prompt lookup searches it inside the step, with no host in between.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DecodeState:
     pending: Tensor  # [B]
     previous: Tensor  # [B]
     draft_hidden: Tensor | None = None  # [B, hidden]: an EAGLE-3 head's output at position lengths - 1
+    text: Tensor | None = None  # [B, S]: the row's tokens at 0 .. lengths (pending the last); S - 1 is a spare slot
 
     def advance(self, active: Tensor, num_accepted: Tensor, fed: Tensor, emitted: Tensor, draft_hidden: Tensor | None = None) -> None:
         """Move active rows past their accepted tokens, in place (a state of views into a larger batch
@@ -42,6 +44,12 @@ class DecodeState:
         fed [B, K+1]: the tokens the target read this step; emitted [B, K+1]: the step's output."""
         at = num_accepted.unsqueeze(1)  # [B, 1]
         previous, pending = fed.gather(1, at).squeeze(1), emitted.gather(1, at).squeeze(1)
+        if self.text is not None:  # the emitted tokens follow pending: the kept ones up to the new pending, the
+            # rest rewritten by later steps before a search reads them; writes past the end land in the spare slot
+            slots = (self.lengths.unsqueeze(1) + 1 + torch.arange(emitted.shape[1], device=emitted.device)).clamp(
+                max=self.text.shape[1] - 1
+            )
+            self.text.scatter_(1, slots, torch.where(active.unsqueeze(1), emitted, self.text.gather(1, slots)))
         self.lengths.copy_(torch.where(active, self.lengths + num_accepted + 1, self.lengths))
         self.previous.copy_(torch.where(active, previous, self.previous))
         self.pending.copy_(torch.where(active, pending, self.pending))
@@ -65,10 +73,10 @@ class DecodeState:
         cls, batch: int, beyond: int, device: torch.device, hidden_size: int | None = None, dtype: torch.dtype = torch.float32
     ) -> "DecodeState":
         """Rows parked at position `beyond` (past the cache's end, so every write lands in its spare slot):
-        what graph capture and step timing run on."""
+        what graph capture and step timing run on. Their text is `beyond` + 1 tokens wide, `beyond` its spare slot."""
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)
         hidden = torch.zeros(batch, hidden_size, dtype=dtype, device=device) if hidden_size else None
-        return cls(zeros() + beyond, zeros(), zeros(), hidden)
+        return cls(zeros() + beyond, zeros(), zeros(), hidden, torch.zeros(batch, beyond + 1, dtype=torch.long, device=device))
 
     def rows(self, n: int) -> "DecodeState":
         """Views of the first n rows: advancing them advances this state."""

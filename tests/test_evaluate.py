@@ -71,22 +71,22 @@ def test_step_times_are_taken_in_turns_and_a_busy_moment_moves_none(tiny_models,
 
 
 def test_a_proposer_that_reads_the_text_is_timed_searching_texts_as_long_as_decoding_makes(tiny_models):
-    """Prompt lookup's cost is the host's search of each row's text: timed on one-token texts it cost nothing,
-    and adaptive K kept speculating where it decoded at half plain speed."""
+    """Lookup first's cost is partly the host's search of each row's text: timed on one-token texts it cost
+    nothing, and adaptive K kept speculating where it decoded at half plain speed."""
     from draftsmith.serve.engine import Engine
-    from draftsmith.serve.proposers import PromptLookup
+    from draftsmith.serve.proposers import LookupFirst
     from draftsmith.serve.weights import load_model
 
-    target_dir, _ = tiny_models["qwen2"]
-    engine = Engine(load_model(target_dir, torch.float32), max_batch_size=3, max_seq_len=96)
+    target_dir, draft_dir = tiny_models["qwen2"]
+    engine = Engine(load_model(target_dir, torch.float32), load_model(draft_dir, torch.float32), max_batch_size=3, max_seq_len=96)
     searched = []
 
-    class Recorded(PromptLookup):  # prompt lookup itself, noting how long each text it searched was
+    class Recorded(LookupFirst):  # lookup first itself, noting how long each text it searched was
         def propose(self, state, k, rows, generator, histories=()):
             searched.append([len(h) for h in histories])
             return super().propose(state, k, rows, generator, histories)
 
-    ms = engine.time_steps(3, range(3), rounds=2, proposer=Recorded(engine.target.args.vocab_size))
+    ms = engine.time_steps(3, range(3), rounds=2, proposer=Recorded(engine.draft_proposer, engine.target.args.vocab_size))
     assert set(ms) == {0, 1, 2} and searched == [[48, 48, 48]] * 6  # K = 1 and 2, a warm-up and two rounds
 
 
@@ -463,7 +463,17 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
     target_dir, draft_dir = tiny_models["llama"]
     prompts = random_prompts(3, 97, seed=4)
     rows = run_bench(
-        target_dir, [draft_dir], prompts, new_tokens=12, ks=(1, 3), device="cpu", dtype="float64", repeats=2, batch=2, lookup=True
+        target_dir,
+        [draft_dir],
+        prompts,
+        new_tokens=12,
+        ks=(1, 3),
+        device="cpu",
+        dtype="float64",
+        repeats=2,
+        batch=2,
+        lookup=True,
+        device_lookup=True,
     )
     assert [r.method for r in rows] == [
         "plain, eager",
@@ -471,22 +481,26 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
         "draft K=3, eager",
         "draft + lookup K=1, eager",
         "draft + lookup K=3, eager",
+        "draft + device lookup K=1, eager",
+        "draft + device lookup K=3, eager",
         "prompt lookup K=1, eager",
         "prompt lookup K=3, eager",
         "plain, batch 2",
         "draft adaptive K<=3, batch 2",
         "draft + lookup adaptive K<=3, batch 2",
+        "draft + device lookup adaptive K<=3, batch 2",
         "prompt lookup adaptive K<=3, batch 2",
     ]
     assert all(len(r.runs_tokens_per_s) == 2 and r.tokens_per_s > 0 for r in rows)  # every row: the same repeats
-    plain, k1, k3, both1, both3, lookup1, lookup3, plain_batch, adaptive, both_batch, lookup_batch = rows
-    assert plain.tokens == k1.tokens == k3.tokens == both3.tokens == lookup3.tokens == 3 * 12
-    assert plain_batch.tokens == adaptive.tokens == both_batch.tokens == lookup_batch.tokens == 8 * 12
+    plain, k1, k3, both1, both3, device1, device3, lookup1, lookup3, plain_batch, adaptive, both_batch, device_batch, lookup_batch = rows
+    assert plain.tokens == k1.tokens == k3.tokens == both3.tokens == device3.tokens == lookup3.tokens == 3 * 12
+    assert plain_batch.tokens == adaptive.tokens == both_batch.tokens == device_batch.tokens == lookup_batch.tokens == 8 * 12
     assert plain.target_steps == 3 * 11  # each prompt's first token comes from its prefill
     # the same tokens as batch 1's plain decoding, compared, not counted; plain batching too
     assert all(r.matches_plain for r in rows[1:])
     assert k3.tau > 1 and k3.target_steps < plain.target_steps  # drafts were kept: fewer target steps
     assert lookup1.tau is not None and lookup3.acceptance_rate is not None  # prompt lookup's rows count what it drafted
+    assert (device1.tau, device3.tau) == (both1.tau, both3.tau)  # lookup first decides alike on the host and the device
 
 
 def test_a_bench_row_says_how_many_sequences_part_from_plain_decoding_and_where():

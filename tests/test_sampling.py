@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from draftsmith.serve.engine import Engine
-from draftsmith.serve.proposers import LookupFirst, PromptLookup
+from draftsmith.serve.proposers import LookupFirst, PromptLookup, lookup_rows
 from draftsmith.serve.rejection import append_correction
 from draftsmith.serve.sampling import RowSampling, SamplingError, SamplingParams, probabilities, sample
 from draftsmith.serve.weights import load_model
@@ -135,7 +135,8 @@ def test_prompt_lookup_sampling_matches_target_distribution(small_vocab_models):
     assert second_third > 1e-3, second_third
 
 
-def test_lookup_first_sampling_matches_target_distribution(small_vocab_models):
+@pytest.mark.parametrize("on_device", [False, True])
+def test_lookup_first_sampling_matches_target_distribution(small_vocab_models, on_device):
     # in one step some rows verify the lookup's one-hot q, the others the draft model's q
     target_dir, draft_dir = small_vocab_models
     joint = exact_joint(target_dir, 1.0, 1.0)
@@ -144,12 +145,13 @@ def test_lookup_first_sampling_matches_target_distribution(small_vocab_models):
 
     class Noted(LookupFirst):
         def propose(self, state, k, rows, generator, histories=()):
-            seen.append(sum(self.plan(histories, k)[1]))
+            seen.append(int((lookup_rows(state.text, state.lengths, k, self.max_ngram, 1)[1] >= self.min_match).sum()))
             return super().propose(state, k, rows, generator, histories)
 
     draft = load_model(draft_dir, torch.float64)
     engine = Engine(load_model(target_dir, torch.float64), draft, max_batch_size=SAMPLES, max_seq_len=12)
-    got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=2, proposer=Noted(engine.draft_proposer, VOCAB, min_match=1))
+    proposer = Noted(engine.draft_proposer, VOCAB, min_match=1, on_device=on_device)
+    got = engine.generate([PROMPT] * SAMPLES, params, num_speculative_tokens=2, proposer=proposer)
     tokens = np.array([c.tokens[:3] for c in got.completions])
     assert 0 < seen[0] < SAMPLES  # the first speculative step mixed the two proposers
     assert 0.02 < got.stats.acceptance_rate < 0.98

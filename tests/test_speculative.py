@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from draftsmith.serve.engine import Engine, EngineError
-from draftsmith.serve.proposers import LookupFirst, PromptLookup, lookup, lookup_match
-from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.proposers import LookupFirst, PromptLookup, lookup, lookup_match, lookup_rows
+from draftsmith.serve.sampling import RowSampling, SamplingParams
 from draftsmith.serve.weights import load_model
 from tests.conftest import FAMILIES, save_tiny_head
 
@@ -117,6 +117,46 @@ def test_prompt_lookup_agrees_with_its_definition_on_random_texts(seed):
         assert lookup(history, k, max_ngram, min_ngram) == defined(history, k, max_ngram, min_ngram)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_devices_lookup_finds_what_the_hosts_does(seed):
+    """lookup_rows searches every row's text at once (in a step's graph): the same drafts and the same n-gram
+    lengths as lookup_match on each row's history, whatever the text holds past the history's end."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        vocab, width = rng.choice([3, 20, 5000]), rng.randrange(2, 120)
+        histories = [[rng.randrange(vocab) for _ in range(rng.randrange(1, width))] for _ in range(rng.randrange(1, 6))]
+        text = torch.tensor([h + [rng.randrange(vocab) for _ in range(width - len(h))] for h in histories])  # stale tokens after
+        lengths = torch.tensor([len(h) - 1 for h in histories])  # the pending token is the history's last
+        k, max_ngram = rng.randrange(1, 8), rng.randrange(1, 5)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        tokens, matched = lookup_rows(text, lengths, k, max_ngram, min_ngram)
+        expected = [lookup_match(h, k, max_ngram, min_ngram) for h in histories]
+        assert tokens.tolist() == [t for t, _ in expected] and matched.tolist() == [n for _, n in expected]
+
+
+def test_the_states_text_is_each_rows_prompt_and_output(tiny_models):
+    """DecodeState.text, what prompt lookup searches, holds each row's prompt and every token it emitted, after
+    steps that kept different numbers of drafts in different rows, and stays put in a finished row."""
+    target_dir, draft_dir = tiny_models["qwen2"]
+    engine = engines(target_dir, draft_dir, 3)
+    prompts = [[i % 5 + 1 for i in range(14)], [3, 9, 4, 3, 9], [7] * 9]
+    rows = RowSampling.of([SamplingParams()] * 3, engine.device)
+    state, _ = engine.prefill(prompts, rows, None)
+    texts = [list(p) + [t] for p, t in zip(prompts, state.pending.tolist())]
+    active, kept = torch.ones(3, dtype=torch.bool), []
+    with torch.inference_mode():  # as the engine steps
+        for step in range(8):
+            if step == 5:
+                active[1] = False
+            out = engine.step(state, active, 3, rows, None, PromptLookup(97))
+            for i, (n, tokens) in enumerate(zip(out.num_accepted.tolist(), out.tokens.tolist())):
+                texts[i] += tokens[: n + 1] if active[i] else []
+                kept += [n] if active[i] else []
+    assert state.lengths.tolist() == [len(t) - 1 for t in texts]
+    assert [state.text[i, : len(t)].tolist() for i, t in enumerate(texts)] == texts
+    assert 0 < sum(kept) and 0 in kept  # rows kept different numbers of drafts
+
+
 def test_greedy_prompt_lookup_equals_target_greedy(tiny_models):
     target_dir, draft_dir = tiny_models["qwen2"]
     engine = engines(target_dir, draft_dir, 4)
@@ -138,7 +178,12 @@ class Recorded(LookupFirst):
         self.steps: list[tuple[list[bool], list[int]]] = []
 
     def propose(self, state, k, rows, generator, histories=()):
-        self.steps.append((self.plan(histories, k)[1], []))
+        use = (lookup_rows(state.text, state.lengths, k, self.max_ngram, 1)[1] >= self.min_match).tolist()
+        if not self.on_device:  # the host's choice is the device's in every row still running (a finished one's
+            # text on the device holds the tokens of its last step past its end)
+            running = [len(h) == n + 1 for h, n in zip(histories, state.lengths.tolist())]
+            assert [u for u, r in zip(self.plan(histories, k)[1], running) if r] == [u for u, r in zip(use, running) if r]
+        self.steps.append((use, []))
         return super().propose(state, k, rows, generator, histories)
 
     def follow(self, state, out):
@@ -157,8 +202,9 @@ def test_lookup_first_says_how_long_a_match_it_found():
 
 @pytest.mark.parametrize("kind", ["draft model", "eagle3"])
 def test_greedy_lookup_first_equals_target_greedy(tiny_models, kind, tmp_path):
-    """Rows that repeat themselves take the lookup's drafts, the others the draft's; some steps have no draft
-    forward at all. Output is the target's."""
+    """Rows that repeat themselves take the lookup's drafts, the others the draft's; on the host some steps have
+    no draft forward at all. Output is the target's, and on the device (the search in the step) the host's, with
+    the same acceptance."""
     target_dir, draft_dir = tiny_models["gemma2"]  # whose greedy text soon falls into loops: long matches
     target = load_model(target_dir, torch.float64)
     if kind == "eagle3":
@@ -173,22 +219,27 @@ def test_greedy_lookup_first_equals_target_greedy(tiny_models, kind, tmp_path):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     expected = [c.tokens for i in (0, 4) for c in engine.generate(prompts[i : i + 4], params).completions]
     for k, batch in ((1, 4), (3, 4), (5, 4), (3, 1)):
-        proposer = Recorded(engine.draft_proposer, 97, min_match=3)
-        runs = [engine.generate(prompts[i : i + batch], params, k, proposer=proposer) for i in range(0, len(prompts), batch)]
-        assert [c.tokens for run in runs for c in run.completions] == expected, f"K={k}, batch {batch}"
-        took = [t for step, _ in proposer.steps for t in step]
-        assert any(took) and not all(took), f"K={k}: both proposers drafted"
-        assert any(all(step) for step, _ in proposer.steps), f"K={k}: some step needed no draft forward"
+        stats = []
+        for on_device in (False, True):
+            proposer = Recorded(engine.draft_proposer, 97, min_match=3, on_device=on_device)
+            runs = [engine.generate(prompts[i : i + batch], params, k, proposer=proposer) for i in range(0, len(prompts), batch)]
+            assert [c.tokens for run in runs for c in run.completions] == expected, f"K={k}, batch {batch}, on the device: {on_device}"
+            took = [t for step, _ in proposer.steps for t in step]
+            assert any(took) and not all(took), f"K={k}: both proposers drafted"
+            assert any(all(step) for step, _ in proposer.steps), f"K={k}: some step's rows all took the lookup's drafts"
+            stats.append([run.stats.as_dict() for run in runs])
+        assert stats[0] == stats[1], f"K={k}, batch {batch}"
 
 
+@pytest.mark.parametrize("on_device", [False, True])
 @pytest.mark.parametrize("k", [3, 5])
-def test_a_draft_model_reads_what_the_lookup_drafted(tiny_models, k):
+def test_a_draft_model_reads_what_the_lookup_drafted(tiny_models, k, on_device):
     """With the target as its own draft model, a row the draft model drafts keeps all K drafts, also after
     steps whose drafts came from the lookup: its cache holds every token the target read."""
     target_dir, _ = tiny_models["qwen2"]
     engine = Engine(load_model(target_dir, torch.float64), load_model(target_dir, torch.float64), max_batch_size=4, max_seq_len=96)
     prompts = [[i % 4 + j for i in range(12)] for j in range(2)] + random_prompts(2, 97, seed=3)
-    proposer = Recorded(engine.draft_proposer, 97, min_match=1)
+    proposer = Recorded(engine.draft_proposer, 97, min_match=1, on_device=on_device)
     engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), k, proposer=proposer)
     after_lookup, looked = [], [False] * len(prompts)
     for step, kept in proposer.steps:
