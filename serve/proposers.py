@@ -258,8 +258,12 @@ class LookupFirst:
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"min_match must be 1..max_ngram ({max_ngram}), got {min_match}")
         self.draft, self.vocab_size, self.max_ngram, self.min_match = draft, vocab_size, max_ngram, min_match
-        self.on_device, self.reads_history = on_device, not on_device
+        self.on_device = on_device
         self._step: "DraftModel | EagleProposer | GivenDrafts" = draft  # what proposed the last step's drafts
+
+    @property
+    def reads_history(self) -> bool:
+        return not self.on_device
 
     def plan(self, histories: Sequence[Sequence[int]], k: int) -> tuple[list[list[int]], list[bool]]:
         """Each row's K lookup drafts, and which rows take them (their final `min_match` tokens repeat)."""
