@@ -142,6 +142,18 @@ def test_demo_target_converts_to_a_safetensors_llama(demo_target_dir):
     assert tokenizer_config["eos_token"] == "<|im_end|>"  # the GGUF names another; the model's eos id is 2
 
 
+def test_a_conversion_reads_the_gguf_file_once():
+    import gguf
+
+    from draftsmith.pipeline.target import _gguf_read_once, demo_gguf_path
+
+    with _gguf_read_once():
+        first = gguf.GGUFReader(demo_gguf_path())
+        assert gguf.GGUFReader(str(demo_gguf_path())) is first  # the config's, the weights' and the tokenizer's reads
+        assert first.fields["tokenizer.ggml.tokens"].data  # a reader as made outside
+    assert isinstance(gguf.GGUFReader(demo_gguf_path()), gguf.GGUFReader)  # the class again after the block
+
+
 def test_a_failed_job_does_not_stop_the_sweep(tiny_chat_target, tmp_path):
     """The first job's target does not exist; the second job still runs, and the table shows both."""
     root = tmp_path / "runs"
