@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,6 +20,8 @@ from draftsmith.pipeline.config import DataConfig, DraftsmithConfig
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
 from draftsmith.serve.protocol import chat_token_ids
+
+log = logging.getLogger("draftsmith")
 
 PROMPTS_DIR = "prompts"
 
@@ -109,6 +112,8 @@ def prepare(cfg: DataConfig, target_dir: Path) -> list[dict[str, Any]]:
         )
     if not rows:
         raise DataError(f"{cfg.path}: none of {len(records)} records has a '{cfg.prompt_field}' or 'messages' field")
+    if skipped:
+        log.warning(f"{cfg.path}: {skipped} of {len(records)} records have no '{cfg.prompt_field}' or 'messages' to prompt with; left out")
     if cfg.max_prompts is not None:  # cap each split in proportion, keeping the split itself unchanged
         eval_rows = [r for r in rows if r["split"] == "eval"]
         train_rows = [r for r in rows if r["split"] == "train"]

@@ -38,7 +38,6 @@ from torch import Tensor, nn
 from draftsmith.serve.model import Attention, CachedModel, FeedForward, ModelArgs, ModelShape, RMSNorm, UnsupportedModelError, rotary
 
 MODEL_TYPE = "eagle3"
-FORMAT = "speculators"
 SPECULATORS_VERSION = "0.9.0"  # the version of the speculators format these files follow
 
 

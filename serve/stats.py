@@ -7,7 +7,7 @@ Glossary (vLLM's terms; eval.json, /metrics, bench tables and the model card fol
 - alpha: the chance that the target keeps a draft token, given that it kept the ones before; measured as
   the acceptance rate at K = 1, and what the evaluation gate (evaluate.min_alpha) reads;
 - acceptance_rate: accepted tokens / draft tokens at a given K (vLLM's acceptance rate). At K = 1 it is
-  alpha; for the same alpha it falls as K grows (expected_acceptance_rate);
+  alpha; for the same alpha it falls as K grows ((tau - 1) / K);
 - tau: mean tokens emitted per step (vLLM's mean acceptance length, bonus token included) = 1 + accepted
   tokens / drafts; for a per-token alpha, (1 - alpha^(K+1)) / (1 - alpha) (expected_tokens);
 - acceptance_by_position[i]: the fraction of drafts whose (i+1)-th draft token was accepted.
@@ -79,9 +79,3 @@ def expected_tokens(alpha: float, k: int) -> float:
     """tau: mean tokens a step of K drafts emits when each draft is kept with probability alpha (Leviathan
     et al.'s expected length)."""
     return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def expected_acceptance_rate(alpha: float, k: int) -> float:
-    """accepted / drafted at K when each draft is kept with probability alpha: the accepted run averages
-    tau - 1 of K drafts, so the rate falls with K at a fixed alpha."""
-    return (expected_tokens(alpha, k) - 1) / k

@@ -55,11 +55,15 @@ def test_messages_drop_trailing_assistant_turns():
     assert to_messages({"prompt": "  "}, "prompt") == []
 
 
-def test_unusable_data_is_refused(tiny_chat_target, tmp_path):
+def test_unusable_data_is_refused_and_unusable_records_said(tiny_chat_target, tmp_path, caplog):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"question": "no prompt field"}) + "\n")
     with pytest.raises(DataError, match="none of 1 records has a 'prompt' or 'messages' field"):
         prepare(config(path), tiny_chat_target)
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*RECORDS[:3], {"question": "no prompt field"}, {"prompt": " "}]))
+    with caplog.at_level("WARNING", logger="draftsmith"):
+        assert [r["id"] for r in prepare(config(path), tiny_chat_target)] == ["r0", "r1", "r2"]
+    assert "2 of 5 records have no 'prompt' or 'messages' to prompt with; left out" in caplog.text
     (tmp_path / "data.txt").write_text("x")
     with pytest.raises(DataError, match="unsupported data file"):
         read_records(str(tmp_path / "data.txt"))
