@@ -532,6 +532,13 @@ class Distiller:
         with Progress(*columns, disable=not self.accelerator.is_main_process) as bar:
             task = bar.add_task("distill", total=cfg.max_steps, completed=step, loss=float("nan"))
 
+            def said(point: dict) -> None:
+                """An evaluation's line above the bar (where output is not a terminal the bar shows only at the end)."""
+                if self.accelerator.is_main_process:
+                    bar.console.print(evaluation_line(point, history, cfg.max_steps), soft_wrap=True, markup=False)
+
+            said(history[-1])
+
             def report(done: int, loss: Callable[[], float], step_tokens: int, lr: float, since: float | None = None) -> None:
                 """Read a step's loss (waiting for the device to finish that step) and log it, with its rate over the
                 time since the last read (since: since the step began, for a step read at once, not one step later)."""
@@ -564,6 +571,7 @@ class Distiller:
                 if evaluating:
                     history.append({"step": step, "train_loss": loss_value, **self.evaluate(step)})
                     self._record(history, tokens)
+                    said(history[-1])
                     reported_at = time.time()
         self.kept_step = best_step(history) if cfg.keep_best else step
         return {
@@ -602,6 +610,16 @@ class Distiller:
         else:
             shutil.copytree(self.work_dir / BEST, out_dir, dirs_exist_ok=True)
         shutil.rmtree(self.work_dir / BEST, ignore_errors=True)
+
+
+def evaluation_line(point: dict, history: list[dict], max_steps: int) -> str:
+    """One evaluation as the log shows it: "distill step 20/40: held-out TVD 0.5723 (lowest 0.0202, step 0), ..."."""
+    parts = []
+    if "eval_tvd" in point:
+        best = next(h for h in history if h["step"] == best_step(history))
+        parts.append(f"held-out TVD {point['eval_tvd']:.4f} (lowest {best['eval_tvd']:.4f}, step {best['step']})")
+    parts += [f"{name} {point[key]:.4f}" for key, name in (("eval_loss", "held-out loss"), ("train_loss", "train loss")) if key in point]
+    return f"distill step {point['step']}/{max_steps}: " + (", ".join(parts) or "nothing held out to measure")
 
 
 def best_step(history: list[dict]) -> int:

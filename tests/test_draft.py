@@ -118,10 +118,11 @@ def test_pretrained_draft_trained_through_lora_is_merged(tiny_chat_target, tmp_p
 
 
 @pytest.mark.parametrize("keep_best, lora", [(True, False), (False, False), (True, True)])
-def test_a_draft_that_training_makes_worse_ships_as_it_began(tiny_models, tmp_path, keep_best, lora):
+def test_a_draft_that_training_makes_worse_ships_as_it_began(tiny_models, tmp_path, keep_best, lora, capsys):
     """distill.keep_best: a draft that starts as the target itself (held-out TVD 0) and learns random labels at a
     high learning rate only gets worse, so the draft saved is the one of step 0, weight for weight, LoRA
-    adapters (merged into a copy at each save, training on) too; without keep_best, the last one."""
+    adapters (merged into a copy at each save, training on) too; without keep_best, the last one. Each evaluation
+    is said as it comes, with the lowest so far."""
     from transformers import AutoModelForCausalLM
 
     target_dir, _ = tiny_models["llama"]
@@ -148,6 +149,9 @@ def test_a_draft_that_training_makes_worse_ships_as_it_began(tiny_models, tmp_pa
     tvds = [h["eval_tvd"] for h in result["history"]]
     assert tvds[0] < 1e-5 < min(tvds[1:]), tvds
     assert result["kept_step"] == (0 if keep_best else 6)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("distill step")]
+    assert [line.split(":")[0] for line in said] == ["distill step 0/6", "distill step 3/6", "distill step 6/6"], said
+    assert all(f"TVD {h['eval_tvd']:.4f} (lowest {tvds[0]:.4f}, step 0)" in line for h, line in zip(result["history"], said))
     distiller.save_draft(tmp_path / "draft")
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", dtype=torch.float32).state_dict()
     same = all(torch.equal(saved[k], v) for k, v in target.state_dict().items())
