@@ -42,7 +42,8 @@ def test_the_qwen_coder_preset_resolves_to_three_drafts_of_a_real_target():
         assert cfg.distill.target_states_gib == 32  # the head's states for every answer kept on the device
     assert jobs["eagle3"].draft.kind.value == "eagle3" and jobs["from_target"].draft.init.value == "from_target"
     sibling = jobs["sibling"].draft
-    assert sibling.kind.value == "standalone" and sibling.init.value == "pretrained"
+    assert sibling.kind.value == "standalone" and sibling.init.value == "pretrained" and sibling.lora_rank == 16
+    assert jobs["from_target"].draft.lora_rank == 0  # a draft of the target's layers trains every weight
     assert sibling.pretrained_path.endswith("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 
 
