@@ -312,16 +312,15 @@ def compile_layers(model: torch.nn.Module) -> None:
     grad) and compiling takes seconds where the whole model took minutes; dynamic shapes, since packed rows
     change shape every step. A model with its own `compile_training` (an EAGLE-3 head unrolled for training)
     compiles what it chooses. In place either way: the optimizer and checkpoints see the module's own
-    parameters and names."""
+    parameters and names. A model with LoRA adapters (peft's wrapper, no PreTrainedModel) compiles its layers too."""
     import torch._dynamo
-    from transformers import PreTrainedModel
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # modes x models x dtypes
     # the modules' float attributes (norm eps, attention scale, rotary share) as constants: under dynamic shapes
     # dynamo otherwise traces them as symbolic floats, fails to turn them into tensors and traces the whole
     # graph again (the head's later steps: 62 s of tracing where one pass takes 29, on this project's CPU)
     torch._dynamo.config.specialize_float = True
-    if not isinstance(model, PreTrainedModel):
+    if hasattr(model, "compile_training"):
         model.compile_training()
         return
     for layer in model.get_decoder().layers:
