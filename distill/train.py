@@ -530,13 +530,7 @@ class Distiller:
         ]
         with Progress(*columns, disable=not self.accelerator.is_main_process) as bar:
             task = bar.add_task("distill", total=cfg.max_steps, completed=step, loss=float("nan"))
-
-            def said(point: dict) -> None:
-                """An evaluation's line above the bar (where output is not a terminal the bar shows only at the end)."""
-                if self.accelerator.is_main_process:
-                    bar.console.print(evaluation_line(point, history, cfg.max_steps), soft_wrap=True, markup=False)
-
-            said(history[-1])
+            self._say(bar, history)
 
             def report(done: int, loss: Callable[[], float], step_tokens: int, lr: float, since: float | None = None) -> None:
                 """Read a step's loss (waiting for the device to finish that step) and log it, with its rate over the
@@ -570,7 +564,7 @@ class Distiller:
                 if evaluating:
                     history.append({"step": step, "train_loss": loss_value, **self.evaluate(step)})
                     self._record(history, tokens)
-                    said(history[-1])
+                    self._say(bar, history)
                     reported_at = time.time()
         self.kept_step = best_step(history) if cfg.keep_best else step
         return {
@@ -584,6 +578,11 @@ class Distiller:
             **({} if self.compile_failed_at is None else {"compile_failed_at_step": self.compile_failed_at}),
             **self.objective.kept.summary(),
         }
+
+    def _say(self, bar, history: list[dict]) -> None:
+        """The latest evaluation's line above the bar (where output is not a terminal the bar shows only at the end)."""
+        if self.accelerator.is_main_process:
+            bar.console.print(evaluation_line(history[-1], history, self.cfg.max_steps), soft_wrap=True, markup=False)
 
     def _record(self, history: list[dict], tokens: int, save: bool = True) -> None:
         """Log an evaluation; with distill.keep_best, keep the student in work_dir/best when it is the best held-out
