@@ -113,7 +113,9 @@ def prepare(cfg: DataConfig, target_dir: Path) -> list[dict[str, Any]]:
     if not rows:
         raise DataError(f"{cfg.path}: none of {len(records)} records has a '{cfg.prompt_field}' or 'messages' field")
     if skipped:
-        log.warning(f"{cfg.path}: {skipped} of {len(records)} records have no '{cfg.prompt_field}' or 'messages' to prompt with; left out")
+        log.warning(
+            "%s: %d of %d records have no '%s' or 'messages' to prompt with; left out", cfg.path, skipped, len(records), cfg.prompt_field
+        )
     if cfg.max_prompts is not None:  # cap each split in proportion, keeping the split itself unchanged
         eval_rows = [r for r in rows if r["split"] == "eval"]
         train_rows = [r for r in rows if r["split"] == "train"]

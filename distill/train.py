@@ -614,7 +614,8 @@ def evaluation_line(point: dict, history: list[dict], max_steps: int) -> str:
     """One evaluation as the log shows it: "distill step 20/40: held-out TVD 0.5723 (lowest 0.0202, step 0), ..."."""
     parts = []
     if "eval_tvd" in point:
-        best = next(h for h in history if h["step"] == best_step(history))
+        lowest = best_step(history)
+        best = next(h for h in history if h["step"] == lowest)
         parts.append(f"held-out TVD {point['eval_tvd']:.4f} (lowest {best['eval_tvd']:.4f}, step {best['step']})")
     parts += [f"{name} {point[key]:.4f}" for key, name in (("eval_loss", "held-out loss"), ("train_loss", "train loss")) if key in point]
     return f"distill step {point['step']}/{max_steps}: " + (", ".join(parts) or "nothing held out to measure")
