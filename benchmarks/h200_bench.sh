@@ -52,6 +52,7 @@
 # GEMV=0 runs the CLI's commands (bench decode, bench shapes) with serve/gemv.py off (cuBLAS for every product).
 # PROMPTS (8): the held-out prompts of qwen_coder's bench decode, KS ("3 5") its K values, LOOKUP (--lookup) its
 # lookup rows (decode's: none; "--lookup --device-lookup": lookup first on the host and on the device side by side).
+# JOBS (3): the jobs of qwen_coder's sweep, fewer where an override narrows it (draft=sibling,eagle3: 2).
 # STOP_AT_EOS=1 ends decode's answers at EOS (bench decode --stop-at-eos). DRAFTS (HF dirs, space-separated)
 # replaces decode's drafts; `best` there is the best job of the newest `shapes` sweep, `spread4` its 4-layer
 # spread draft and `shipped` the W4A16 drafts of the newest sweep's jobs (`pipeline`), best first.
@@ -303,7 +304,7 @@ qwen_coder)
 import json, os, sys
 from pathlib import Path
 jobs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*/result.json"))]
-if len(jobs) == 3:
+if len(jobs) == int(os.environ.get("JOBS", 3)):
     for job in jobs:
         if job["status"] != "ok":
             print(f"qwen_coder: a job failed and is left out of the bench: {str(job.get('error'))[:300]}", file=sys.stderr)
