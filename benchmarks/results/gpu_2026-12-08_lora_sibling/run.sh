@@ -5,9 +5,9 @@
 # Qwen2.5-Coder pieces meanwhile, then `wait` calls. No demo target is needed.
 # 1. while the pieces come: the GPU tests of lookups and the scheduler inside the steps' CUDA graphs (never run on a
 #    GPU yet), then the 1.5B shape's plain step and verification with and without serve/gemv.py;
-# 2. once all 27 pieces are in: preset=qwen_coder's sibling (rank-16 LoRA adapters, for the first time on a GPU) and
-#    EAGLE-3 head end to end (the from-target draft left out: the session's time was short after a refused start),
-#    then one bench decode run, K = 5, lookup first on the host and on the device;
+# 2. once all 27 pieces are in: preset=qwen_coder's sibling alone (rank-16 LoRA adapters, for the first time on a GPU)
+#    end to end (the other two drafts left out: five refused starts left ~22 of the session's 30 minutes), then one
+#    bench decode run, K = 5, lookup first on the host and on the device;
 # 3. on an H200, if the session's time allows: the Llama-3.1-8B shape.
 set -uo pipefail
 o=${OUT:-/tmp/out}
@@ -25,7 +25,7 @@ echo "== waiting for the pieces $(date +%T)"
 end=$((SECONDS + 900))
 until [ "$(ls "$root/qwen_coder" 2>/dev/null | grep -c '\.part')" -ge 27 ] || [ $SECONDS -ge $end ]; do sleep 5; done
 echo "== qwen_coder $(date +%T)"
-KS=5 PROMPTS=8 JOBS=2 LOOKUP="--lookup --device-lookup" bash benchmarks/h200_bench.sh qwen_coder draft=sibling,eagle3 \
+KS=5 PROMPTS=8 JOBS=1 LOOKUP="--lookup --device-lookup" bash benchmarks/h200_bench.sh qwen_coder draft=sibling \
   distill.max_steps=300 distill.eval_every=150 evaluate.num_prompts=64 > "$o/qwen_coder.txt" 2>&1
 tail -n 45 "$o/qwen_coder.txt"
 if [[ "$gpu" == *H200* ]]; then
