@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
-from draftsmith.pipeline.config import DataConfig, DraftsmithConfig
+from draftsmith.pipeline.config import DataConfig, DraftsmithConfig, missing_data
 from draftsmith.pipeline.stage import Stage, StageOutput
 from draftsmith.pipeline.target import load_reference
 from draftsmith.serve.protocol import chat_token_ids
@@ -36,6 +36,8 @@ def demo_prompts_path() -> Path:
 
 def read_records(path: str) -> list[dict[str, Any]]:
     """Records from a file, a datasets dir or a hub dataset id."""
+    if (missing := missing_data(path)) is not None:
+        raise DataError(missing)
     if path == "demo":
         path = str(demo_prompts_path())
     p = Path(path).expanduser()

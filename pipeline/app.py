@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from draftsmith.pipeline.config import ConfigError, register_schema, validate
+from draftsmith.pipeline.config import ConfigError, register_schema, validate_run
 from draftsmith.pipeline.graph import PIPELINE, STAGES, run_pipeline
 from draftsmith.pipeline.stage import STAGE_JSON, StageError, StageOutput, process_rank
 from draftsmith.pipeline.sweep import write_result
@@ -76,7 +76,7 @@ def _raise_interrupt(signum, frame) -> None:
 def run_job(cfg: DictConfig) -> list[StageOutput]:
     """Validate, open the job's MLflow child run, run the stages, print the summary."""
     try:
-        typed = validate(cfg)
+        typed = validate_run(cfg)
     except ConfigError as e:
         console.print(f"[red]configuration error:[/red] {e}")
         raise SystemExit(2) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -250,6 +251,22 @@ def bits_refusal(bits: int) -> str | None:
     if bits not in SUPPORTED_BITS:
         return f"quantize.bits={bits}: supported are {SUPPORTED_BITS} (W4A16 and W8A16)"
     return None
+
+
+def missing_data(path: str) -> str | None:
+    """Why data.path names a local file or directory that is not there; None where it is there or where the path
+    reads as a hub dataset id ("org/name": no leading /, . or ~ and no file suffix)."""
+    p = Path(path).expanduser()
+    local = p.suffix in (".jsonl", ".csv", ".parquet") or path.startswith(("/", ".", "~"))
+    return f"data.path={path!r}: no such file or directory" if path != "demo" and local and not p.exists() else None
+
+
+def validate_run(cfg: DictConfig) -> DraftsmithConfig:
+    """validate, and the domain data is there: a run fails at once, not after the target's stage (minutes)."""
+    typed = validate(cfg)
+    if (missing := missing_data(typed.data.path)) is not None:
+        raise ConfigError(missing)
+    return typed
 
 
 def validate(cfg: DictConfig) -> DraftsmithConfig:

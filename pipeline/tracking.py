@@ -106,10 +106,10 @@ class ParentRunCallback(Callback):
         if not config.tracking.enabled or os.environ.get(PARENT_ENV) or process_rank()[0] != 0:
             return
         if kind == "run":  # a configuration that fails validation gets no run at all
-            from draftsmith.pipeline.config import ConfigError, validate
+            from draftsmith.pipeline.config import ConfigError, validate_run
 
             try:
-                validate(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
+                validate_run(OmegaConf.masked_copy(config, [key for key in config if key != "hydra"]))
             except ConfigError:
                 return
         c = client(_uri_from(config))

@@ -105,10 +105,17 @@ def test_single_run_then_cached_then_tracking_off(tiny_chat_target, tmp_path):
     assert off.returncode == 0 and len(mlflow_runs(root)) == 4
 
 
-def test_bad_config_fails_before_any_work(tmp_path):
-    done = draftsmith_run("quantize.bits=2", f"paths.root={tmp_path / 'runs'}", cwd=tmp_path)
+@pytest.mark.parametrize(
+    "override,said",
+    [
+        ("quantize.bits=2", "quantize.bits=2: fewer than 4 bits is refused"),
+        ("data.path=prompts/missing.jsonl", "data.path='prompts/missing.jsonl': no such file or directory"),
+    ],
+)
+def test_bad_config_fails_before_any_work(tmp_path, override, said):
+    done = draftsmith_run(override, f"paths.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert done.returncode == 2
-    assert "quantize.bits=2: fewer than 4 bits is refused" in done.stdout
+    assert said in done.stdout
     assert not (tmp_path / "runs" / "target").exists()
     db = tmp_path / "runs" / "mlflow.db"  # and no empty FAILED run in the store
     if db.exists():
