@@ -321,13 +321,21 @@ def cpu_model() -> str:
     return f"{name}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
 
 
-def results_table(rows: list[BenchRow], title: str):
-    """The rows as a rich table, each against plain decoding at its batch size (and transformers' generate)."""
+ROUNDING = (
+    "=plain: in {dtype} a forward over several tokens (a verification, a batch) rounds otherwise than one over a "
+    "single token, so a near tie can flip a greedy token; --dtype float32 compares exactly"
+)
+
+
+def results_table(rows: list[BenchRow], title: str, dtype: str = "float32"):
+    """The rows as a rich table, each against plain decoding at its batch size (and transformers' generate); where
+    a row parts from plain decoding in a 16-bit dtype, a caption says why that need not be a fault."""
     from rich.table import Table
 
     hf = next((r for r in rows if r.method == "transformers generate"), None)
     plain_of = lambda r: [p for p in rows if p.method.startswith("plain") and ("batch" in p.method) == ("batch" in r.method)][-1]
-    table = Table(title=title)
+    parted = dtype != "float32" and any(r.matches_plain is False for r in rows)
+    table = Table(title=title, caption=ROUNDING.format(dtype=dtype) if parted else None)
     # kept: accepted / drafted at the row's K (vLLM's acceptance rate, which falls with K); alpha is its value at K = 1
     for column in ("method", "tok/s", "min-max", "ms/step", "steps", "tau", "kept", "x HF", "x plain", "=plain"):
         table.add_column(column, justify="right" if column != "method" else "left")

@@ -175,7 +175,7 @@ def bench_decode(
     title = (
         f"bench decode: {target} on {device}, {len(ids)} of {len(heldout)} held-out prompts x {length}, greedy, median of {repeats} runs"
     )
-    print_table(results_table(rows, title))
+    print_table(results_table(rows, title, dtype))
 
 
 @bench.command("serve")

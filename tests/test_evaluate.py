@@ -499,7 +499,7 @@ def test_bench_decode_runs_every_row_alike_and_speculative_rows_emit_plain_decod
 
 
 def test_a_bench_row_says_how_many_sequences_part_from_plain_decoding_and_where():
-    from draftsmith.evaluate.bench_decode import BenchRow
+    from draftsmith.evaluate.bench_decode import BenchRow, results_table
 
     plain = [[5, 6, 7, 8], [1, 2, 3], [9, 9, 9]]
     row = BenchRow("draft", tokens=10, target_steps=5)
@@ -509,6 +509,13 @@ def test_a_bench_row_says_how_many_sequences_part_from_plain_decoding_and_where(
     assert (row.matches_plain, row.differing, row.first_difference) == (False, 2, 2)
     row.compare([[5, 6, 7, 8], [0, 2, 3], [9, 9, 9]], plain)
     assert (row.matches_plain, row.differing, row.first_difference) == (False, 1, 0)
+    # in a 16-bit dtype the table says why a row may part; in float32 a parting row stands unexplained
+    plain_row = BenchRow("plain, eager", tokens=10, target_steps=10, runs_tokens_per_s=[100.0])
+    row.runs_tokens_per_s = [150.0]
+    assert "--dtype float32 compares exactly" in results_table([plain_row, row], "t", "bfloat16").caption
+    assert results_table([plain_row, row], "t", "float32").caption is None
+    row.compare(plain, plain)
+    assert results_table([plain_row, row], "t", "bfloat16").caption is None
 
 
 def test_bench_decode_stops_at_eos_when_asked_and_every_row_stops_alike(tiny_models, tmp_path):
