@@ -36,8 +36,8 @@ def demo_prompts_path() -> Path:
 
 def read_records(path: str) -> list[dict[str, Any]]:
     """Records from a file, a datasets dir or a hub dataset id."""
-    if (missing := missing_data(path)) is not None:
-        raise DataError(missing)
+    if missing_data(path):
+        raise DataError(f"{path}: no such file or directory")
     if path == "demo":
         path = str(demo_prompts_path())
     p = Path(path).expanduser()

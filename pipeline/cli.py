@@ -95,7 +95,37 @@ bench = typer.Typer(help="Speed benchmarks that print ratios side by side.", no_
 app.add_typer(bench, name="bench")
 
 
+def plainly(command):
+    """A bench command whose bad input (a file that is not there, a target or draft this runtime cannot load, a
+    server that does not answer) ends it with one line on stderr and exit status 1, not a traceback."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        import httpx
+
+        from draftsmith.distill.data import DataError
+        from draftsmith.pipeline.target import TargetError
+        from draftsmith.serve.compressed import CompressedFormatError
+        from draftsmith.serve.device import DeviceError
+        from draftsmith.serve.eagle import EagleFormatError
+        from draftsmith.serve.model import UnsupportedModelError
+        from draftsmith.serve.weights import WeightsError
+
+        said = (DataError, TargetError, CompressedFormatError, DeviceError, EagleFormatError, UnsupportedModelError, WeightsError)
+        try:
+            return command(*args, **kwargs)
+        except said as e:
+            typer.echo(f"error: {e}", err=True)
+        except httpx.TransportError as e:
+            typer.echo(f"error: the server did not answer ({type(e).__name__}: {e})", err=True)
+        raise typer.Exit(1)
+
+    return run
+
+
 @bench.command("decode")
+@plainly
 def bench_decode(
     target: str = typer.Option("demo", help="target: 'demo', an HF model dir or a .gguf file"),
     draft: list[Path] = typer.Option(
@@ -179,6 +209,7 @@ def bench_decode(
 
 
 @bench.command("serve")
+@plainly
 def bench_serve_command(
     url: str = typer.Option("http://127.0.0.1:8000", help="a running draftsmith serve or vllm serve"),
     concurrency: list[int] = typer.Option([1, 4, 16, 64], "--concurrency", help="client counts to measure (repeatable)"),
@@ -241,6 +272,7 @@ def bench_serve_command(
 
 
 @bench.command("shapes")
+@plainly
 def bench_shapes(
     shape: list[str] = typer.Option(
         ["llama-3.1-8b"],

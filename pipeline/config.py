@@ -253,19 +253,19 @@ def bits_refusal(bits: int) -> str | None:
     return None
 
 
-def missing_data(path: str) -> str | None:
-    """Why data.path names a local file or directory that is not there; None where it is there or where the path
-    reads as a hub dataset id ("org/name": no leading /, . or ~ and no file suffix)."""
+def missing_data(path: str) -> bool:
+    """Whether a data path names a local file or directory that is not there (not where it reads as a hub dataset
+    id, "org/name": no leading /, . or ~ and no file suffix)."""
     p = Path(path).expanduser()
     local = p.suffix in (".jsonl", ".csv", ".parquet") or path.startswith(("/", ".", "~"))
-    return f"data.path={path!r}: no such file or directory" if path != "demo" and local and not p.exists() else None
+    return path != "demo" and local and not p.exists()
 
 
 def validate_run(cfg: DictConfig) -> DraftsmithConfig:
     """validate, and the domain data is there: a run fails at once, not after the target's stage (minutes)."""
     typed = validate(cfg)
-    if (missing := missing_data(typed.data.path)) is not None:
-        raise ConfigError(missing)
+    if missing_data(typed.data.path):
+        raise ConfigError(f"data.path={typed.data.path!r}: no such file or directory")
     return typed
 
 

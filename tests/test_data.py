@@ -68,7 +68,7 @@ def test_unusable_data_is_refused_and_unusable_records_said(tiny_chat_target, tm
     with pytest.raises(DataError, match="unsupported data file"):
         read_records(str(tmp_path / "data.txt"))
     for missing in (tmp_path / "gone.jsonl", tmp_path / "gone_dir", "~/gone.csv"):
-        with pytest.raises(DataError, match=f"data.path='{missing}': no such file or directory"):
+        with pytest.raises(DataError, match=f"{missing}: no such file or directory"):
             read_records(str(missing))
 
 

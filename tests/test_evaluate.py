@@ -576,3 +576,21 @@ def test_the_log_of_a_run_through_quantization_holds_our_lines_only(evaluated):
     log = done.stdout + done.stderr
     assert not any(noise in log for noise in ("Grid search", "| METRIC", "it/s]", "Loading weights", "No accelerator")), log[-3000:]
     assert "stage quantize: ran in" in log
+
+
+def test_the_bench_commands_say_a_bad_input_in_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["decode", "--target", str(tmp_path / "empty"), "--device", "cpu"], "has no config.json"),
+        (["serve", "--url", f"http://127.0.0.1:{port}", "--duration", "1", "--concurrency", "1"], "the server did not answer"),
+        (["serve", "--prompts", str(tmp_path / "gone.jsonl")], "gone.jsonl: no such file or directory"),
+    ]
+    for args, said in cases:
+        done = subprocess.run([DRAFTSMITH, "bench", *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and "error: " in done.stderr and said in done.stderr, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
