@@ -7,6 +7,8 @@
 # .gpu/target.part01, .gpu/head.tgz and .gpu/prelude.sh), as
 #   source .gpu/prelude.sh && bash benchmarks/h200_bench.sh bg benchmarks/results/h100_2026-12-07g_qwen_coder/next.sh
 # then `wait` calls (~10 minutes; on an H200 ~13 with the 8B shape).
+# .gpu/head.tgz is the twelfth run's short head (600 steps, 4 answers a prompt: tau 1.70 at K = 7 on these prompts),
+# not the shipped recipe's: lookup first has much to add to it, so compare host and device, not against other runs.
 set -uo pipefail
 root=${ROOT:-/root/draftsmith-gpu}
 o=${OUT:-/tmp/out}
