@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Written in the thirty-ninth session (2026-12-08) for the next one; not run yet (fourteen refused starts that day).
+# Written in the thirty-ninth session (2026-12-08) for the next one; not run yet (no machine started that day in sixteen attempts).
 # Issue 35's Qwen2.5-Coder-1.5B run again, in the background on one warm machine: the first call carries
 # .gpu/prelude.sh, .whl and the prompts' piece with the three sha256 files, stashes and keeps them, and starts this:
 #   bash .gpu/prelude.sh stash >/dev/null && source .gpu/prelude.sh && bash benchmarks/h200_bench.sh put \
