@@ -582,7 +582,7 @@ class Distiller:
     def _say(self, bar, history: list[dict]) -> None:
         """The latest evaluation's line above the bar (where output is not a terminal the bar shows only at the end)."""
         if self.accelerator.is_main_process:
-            bar.console.print(evaluation_line(history[-1], history, self.cfg.max_steps), soft_wrap=True, markup=False)
+            bar.console.print(evaluation_line(history, self.cfg.max_steps), soft_wrap=True, markup=False)
 
     def _record(self, history: list[dict], tokens: int, save: bool = True) -> None:
         """Log an evaluation; with distill.keep_best, keep the student in work_dir/best when it is the best held-out
@@ -610,9 +610,9 @@ class Distiller:
         shutil.rmtree(self.work_dir / BEST, ignore_errors=True)
 
 
-def evaluation_line(point: dict, history: list[dict], max_steps: int) -> str:
-    """One evaluation as the log shows it: "distill step 20/40: held-out TVD 0.5723 (lowest 0.0202, step 0), ..."."""
-    parts = []
+def evaluation_line(history: list[dict], max_steps: int) -> str:
+    """The latest evaluation as the log shows it: "distill step 20/40: held-out TVD 0.5723 (lowest 0.0202, step 0), ..."."""
+    point, parts = history[-1], []
     if "eval_tvd" in point:
         lowest = best_step(history)
         best = next(h for h in history if h["step"] == lowest)
